@@ -1,0 +1,62 @@
+"""The AttentionBackend interface: metadata for a batch, then paged attention per layer."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from minisgl.core.kvcache import KVPool
+
+
+@dataclass
+class BatchLayout:
+    """Backend-independent description of one forward step (host side, built by the engine).
+
+    For request i: ``q_lens[i]`` new tokens at positions ``kv_lens[i] - q_lens[i] ...
+    kv_lens[i] - 1``; its K/V slots are ``req_to_token[rows[i], :kv_lens[i]]``. The new tokens are
+    laid out back to back (no padding) in the flattened token dimension, in request order.
+    """
+
+    phase: str  # "prefill" | "decode"
+    q_lens: list[int]
+    kv_lens: list[int]
+    rows: list[int]
+    req_to_token: torch.Tensor  # [max_reqs, max_len] slot table (device tensor)
+    out_loc: torch.Tensor  # [T] slots the new tokens' K/V are written to
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+
+class AttentionBackend(abc.ABC):
+    """One instance per engine. ``prepare`` once per step, ``forward`` once per layer."""
+
+    def __init__(self, kv: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scale: float, device: torch.device) -> None:
+        self.kv, self.device = kv, device
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+
+    @abc.abstractmethod
+    def prepare(self, layout: BatchLayout) -> Any:
+        """Build this backend's metadata (tensors only) for one step."""
+
+    @abc.abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                meta: Any) -> torch.Tensor:
+        """Write k/v ([T, kv_heads, head_dim]) to the pool, attend with q ([T, heads, head_dim]).
+
+        Returns [T, heads * head_dim]. Causal over each request's cached prefix + new tokens.
+        """
+
+
+@dataclass
+class ForwardContext:
+    """Everything a model's forward needs besides token ids and positions: passed explicitly."""
+
+    backend: AttentionBackend
+    meta: Any

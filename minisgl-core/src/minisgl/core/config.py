@@ -1,0 +1,153 @@
+"""Frozen configs, validated once at start. Derived values are properties."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with open(path) as f:
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs from an HF ``config.json`` (+ ``generation_config.json``)."""
+
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+    hf_dtype: str | None
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    hf: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
+        p = Path(path)
+        cfg_file = p / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{p} has no config.json: not an HF model directory")
+        hf = _read_json(cfg_file)
+        gen = _read_json(p / "generation_config.json") if (p / "generation_config.json").is_file() else {}
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ValueError(f"{cfg_file} lists no 'architectures'; cannot pick a model class")
+        heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        # transformers >= 5 keeps rope settings in "rope_parameters"; older files use
+        # "rope_theta" + "rope_scaling".
+        rope = dict(hf.get("rope_parameters") or {})
+        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            scaling = dict(scaling)
+            scaling.setdefault("rope_type", scaling.get("type", "default"))
+        eos: list[int] = []
+        for src in (gen.get("eos_token_id"), hf.get("eos_token_id")):
+            for t in src if isinstance(src, list) else ([src] if src is not None else []):
+                if int(t) not in eos:
+                    eos.append(int(t))
+        gen_defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty")
+                        if k in gen and gen.get("do_sample", True)}
+        return cls(
+            path=str(p),
+            architecture=archs[0],
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            eos_token_ids=tuple(eos),
+            hf_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            generation_defaults=gen_defaults,
+            hf=hf,
+        )
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, hf_dtype: str | None) -> torch.dtype:
+    """``auto``: bf16 on CPU (float16 has no fast CPU kernels), the checkpoint's dtype on GPU."""
+    if isinstance(dtype, torch.dtype):
+        out = dtype
+    elif dtype == "auto":
+        if device.type == "cpu":
+            return torch.bfloat16
+        out = _DTYPES.get(hf_dtype or "", torch.bfloat16)
+        return torch.bfloat16 if out == torch.float32 else out
+    elif dtype in _DTYPES:
+        out = _DTYPES[dtype]
+    else:
+        raise ValueError(f"dtype: unknown value {dtype!r}; use auto, bfloat16, float32 or float16")
+    if out == torch.float16 and device.type == "cpu":
+        raise ValueError("dtype: float16 has no fast kernels on CPU; use bfloat16 or float32")
+    return out
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of one engine (one rank). ``LLM(...)`` keyword arguments map onto these."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    sampler: str = "default"
+    schedule_policy: str = "fcfs"
+    page_size: int = 16
+    num_pages: int | None = None  # explicit pool size; overrides kv_cache_memory
+    kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 4096
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    seed: int = 0
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("page_size", self.page_size >= 1, "must be >= 1"),
+            ("num_pages", self.num_pages is None or self.num_pages >= 1, "must be >= 1"),
+            ("kv_cache_memory", self.kv_cache_memory > 0, "must be > 0 bytes"),
+            ("max_running_requests", self.max_running_requests >= 1, "must be >= 1"),
+            ("max_prefill_tokens", self.max_prefill_tokens >= 1, "must be >= 1"),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, "must be >= 2"),
+            ("tp_size", self.tp_size >= 1 and 0 <= self.tp_rank < self.tp_size, "bad tp rank/size"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"{name}: {why} (got {getattr(self, name)!r})")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)

@@ -1,0 +1,111 @@
+"""One rank's model runner: loads the model, owns the KV pool, runs a batch, samples."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.core.attention import AttentionBackend, BatchLayout, ForwardContext
+from minisgl.core.config import EngineConfig, ModelConfig, resolve_dtype
+from minisgl.core.distributed import Communicator
+from minisgl.core.kvcache import KVPool, PageAllocator, ReqToTokenTable
+from minisgl.core.model import CausalLM
+from minisgl.core.plugins import PluginManager, get_plugin_manager
+from minisgl.core.request import Batch
+from minisgl.core.sampling import Sampler, SampleOutput
+from minisgl.core.weights import iter_weights
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@dataclass
+class ForwardInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    layout: BatchLayout
+    logits_indices: torch.Tensor  # [N] rows of the hidden states whose logits are sampled
+
+
+class Engine:
+    """Model + KV pool + attention backend + sampler of one rank. The batch is always an argument."""
+
+    def __init__(self, config: EngineConfig, comm: Communicator | None = None,
+                 plugins: PluginManager | None = None) -> None:
+        self.config = config
+        self.comm = comm or Communicator(config.tp_rank, config.tp_size)
+        pm = plugins or get_plugin_manager()
+        self.model_config = mc = ModelConfig.from_pretrained(config.model)
+        self.device = config.torch_device
+        self.dtype = resolve_dtype(config.dtype, self.device, mc.hf_dtype)
+        model_cls = pm.models.get(mc.architecture)
+        with torch.device(self.device), _default_dtype(self.dtype):
+            self.model: CausalLM = model_cls(mc, self.comm)
+        self.model.load_weights(iter_weights(mc.path))
+        self.model.eval()
+
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        page = config.page_size
+        tp = self.comm.world_size
+        kv_heads = mc.num_kv_heads // tp if mc.num_kv_heads >= tp else 1
+        per_page = KVPool.bytes_per_page(mc, page, kv_heads, self.dtype)
+        num_pages = config.num_pages or max(2, config.kv_cache_memory // per_page)
+        self.kv = KVPool(mc.num_layers, num_pages, page, kv_heads, mc.head_dim, self.dtype,
+                         self.device)
+        self.allocator = PageAllocator(num_pages)
+        self.table = ReqToTokenTable(config.max_running_requests,
+                                     -(-self.max_model_len // page) * page, self.device)
+        backend_cls = pm.attention_backends.get(config.attention_backend)
+        self.backend: AttentionBackend = backend_cls(
+            self.kv, mc.num_heads // tp, kv_heads, mc.head_dim, mc.head_dim ** -0.5, self.device)
+        sampler_cls = pm.samplers.get(config.sampler)
+        self.sampler: Sampler = sampler_cls(mc.vocab_size, self.device)
+
+    def prepare(self, batch: Batch) -> ForwardInputs:
+        """Flatten the batch (no padding) and build the attention layout for it."""
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        kv_lens: list[int] = []
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            start = req.num_computed
+            ids.extend(req.all_ids[start: start + n])
+            positions.extend(range(start, start + n))
+            rows.append(req.table_row)
+            kv_lens.append(start + n)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        row_of_token = torch.repeat_interleave(torch.tensor(rows), torch.tensor(batch.extend_lens))
+        out_loc = self.table.table[row_of_token.to(self.device), pos.to(self.device)]
+        ends = torch.cumsum(torch.tensor(batch.extend_lens), 0) - 1
+        logits_indices = ends[torch.tensor(batch.sample, dtype=torch.bool)]
+        layout = BatchLayout(batch.phase, list(batch.extend_lens), kv_lens, rows,
+                             self.table.table, out_loc)
+        return ForwardInputs(torch.tensor(ids, dtype=torch.int64, device=self.device),
+                             pos.to(self.device), layout, logits_indices.to(self.device))
+
+    @torch.inference_mode()
+    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
+        """Float32 logits [N, vocab] for the sampled rows of the batch."""
+        ctx = ForwardContext(self.backend, self.backend.prepare(inputs.layout))
+        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        return self.model.compute_logits(hidden[inputs.logits_indices]).float()
+
+    def step(self, batch: Batch) -> SampleOutput | None:
+        """Run one batch; tokens for the requests whose ``sample`` flag is set (None if none)."""
+        logits = self.forward(self.prepare(batch))
+        if logits.shape[0] == 0:
+            return None
+        reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
+        with torch.inference_mode():
+            return self.sampler.sample(logits, reqs)

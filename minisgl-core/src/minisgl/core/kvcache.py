@@ -1,0 +1,96 @@
+"""The paged KV pool, its page allocator and the request -> token-slot table.
+
+Slots are token positions in the pool: slot = page * page_size + offset. Page 0 is reserved as a
+scratch page that padded (bucketed) tokens may write to, so it is never handed out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.core.config import ModelConfig
+
+
+class KVPool:
+    """K and V for every layer: ``k[layer]`` is ``[num_pages * page_size, kv_heads, head_dim]``."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.num_pages, self.page_size = num_pages, page_size
+        shape = (num_pages * page_size, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_page(cfg: ModelConfig, page_size: int, kv_heads: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return cfg.num_layers * 2 * page_size * kv_heads * cfg.head_dim * itemsize
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class PageAllocator:
+    """Free list of page ids (page 0 excluded). Double frees are caught."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 2:
+            raise ValueError(f"num_pages: need at least 2 pages (1 is scratch), got {num_pages}")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
+        self._is_free = [False] + [True] * (num_pages - 1)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages - 1
+
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` pages, or None (and nothing taken) when fewer are free."""
+        if n > len(self._free):
+            return None
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._is_free[p] = False
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            if p <= 0 or p >= self.num_pages or self._is_free[p]:
+                raise RuntimeError(f"freeing page {p} that is not allocated")
+            self._is_free[p] = True
+            self._free.append(p)
+
+
+class ReqToTokenTable:
+    """Row per running request; ``table[row, i]`` is the slot holding K/V of its token ``i``."""
+
+    def __init__(self, max_reqs: int, max_len: int, device: torch.device) -> None:
+        self.table = torch.zeros((max_reqs, max_len), dtype=torch.int64, device=device)
+        self._free_rows = list(range(max_reqs - 1, -1, -1))
+        self.max_len = max_len
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        assert row not in self._free_rows, f"row {row} freed twice"
+        self._free_rows.append(row)
+
+    def write_pages(self, row: int, start_page_idx: int, pages: list[int], page_size: int) -> None:
+        """Record the slots of ``pages`` as the request's pages number start_page_idx...."""
+        if not pages:
+            return
+        p = torch.tensor(pages, dtype=torch.int64)
+        slots = (p[:, None] * page_size + torch.arange(page_size)[None, :]).flatten()
+        start = start_page_idx * page_size
+        end = min(start + slots.numel(), self.max_len)
+        self.table[row, start:end] = slots[: end - start].to(self.table.device)

@@ -1,0 +1,26 @@
+"""TP-aware building blocks for models. Every layer takes a Communicator (identity at TP=1)."""
+
+from minisgl.core.layers.activation import SiluAndMul
+from minisgl.core.layers.attention import AttentionLayer
+from minisgl.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl.core.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from minisgl.core.layers.norm import RMSNorm
+from minisgl.core.layers.rope import RotaryEmbedding
+
+__all__ = [
+    "AttentionLayer",
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "SiluAndMul",
+    "VocabParallelEmbedding",
+]

@@ -1,0 +1,119 @@
+"""The offline API: ``LLM(model=...).generate(prompts, sampling_params)`` over the scheduler."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from minisgl.core.bundled import resolve_model
+from minisgl.core.config import EngineConfig
+from minisgl.core.engine import Engine
+from minisgl.core.request import Req
+from minisgl.core.sampling_params import SamplingParams
+from minisgl.core.scheduler import Scheduler
+
+Prompt = Union[str, list[int]]
+Message = dict[str, Any]
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+    logprobs: list[float] = field(default_factory=list)
+
+
+class LLM:
+    """An engine in this process. Keyword arguments are :class:`EngineConfig` fields.
+
+    >>> llm = LLM(model="smollm2")
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].text
+    """
+
+    def __init__(self, model: str = "smollm2", dtype: str = "auto", **kwargs: Any) -> None:
+        from transformers import AutoTokenizer
+
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM got unknown options {unknown}; known: {sorted(known)}")
+        path = resolve_model(model)
+        self.config = EngineConfig(model=path, dtype=dtype, **kwargs)
+        self.engine = Engine(self.config)
+        self.scheduler = Scheduler(self.engine)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=False)
+            return ids
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            raise ValueError("prompt: must be a string or a list of token ids")
+        return list(prompt)
+
+    def _make_reqs(self, prompts: Sequence[Prompt],
+                   sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[Req]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        eos = frozenset(self.engine.model_config.eos_token_ids)
+        reqs = [Req(self._tokenize(p), dataclasses.replace(sp), eos) for p, sp in zip(prompts, params)]
+        for req in reqs:  # validate all before submitting any, so a bad one leaves no trace
+            self.scheduler.validate(req)
+        return reqs
+
+    def _run(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            self.scheduler.add(req)
+        pending = {r.rid for r in reqs}
+        try:
+            while pending:
+                for req in self.scheduler.step():
+                    if req.finished:
+                        pending.discard(req.rid)
+                if not self.scheduler.has_work() and pending:
+                    raise RuntimeError("scheduler went idle with requests still pending")
+        except BaseException:
+            for rid in pending:  # Ctrl-C or an error: free what the unfinished requests hold
+                self.scheduler.abort(rid)
+            raise
+
+    def _output(self, req: Req, prompt: Prompt) -> RequestOutput:
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        return RequestOutput(prompt if isinstance(prompt, str) else None, req.prompt_ids, text,
+                             list(req.output_ids), req.finish_reason or "abort",
+                             list(req.output_logprobs))
+
+    # -- public API --------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """One output per prompt, in order. Prompts are strings or lists of token ids."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        reqs = self._make_reqs(prompts, sampling_params)  # type: ignore[arg-type]
+        self._run(reqs)
+        return [self._output(r, p) for r, p in zip(reqs, prompts)]  # type: ignore[arg-type]
+
+    def chat(self, messages: list[Message] | Sequence[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+             ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        convs: Sequence[list[Message]] = [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[list-item,assignment]
+        prompts: list[Prompt] = []
+        for conv in convs:
+            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers >= 5 BatchEncoding
+                ids = ids["input_ids"]
+            prompts.append(list(ids))
+        return self.generate(prompts, sampling_params)

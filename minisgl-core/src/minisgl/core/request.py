@@ -1,0 +1,90 @@
+"""Request state (Req) and the batch the scheduler hands to the engine (Batch)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from minisgl.core.sampling_params import SamplingParams
+
+_rid_counter = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    """One generation request. KV for ``all_ids[:num_computed]`` lives in the cache."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    rid: int = field(default_factory=lambda: next(_rid_counter))
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    table_row: int = -1  # row of the req -> token-slot table, -1 when not held
+    pages: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_seq_len(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """True until the whole prompt is in the cache (chunked prefill may take several steps)."""
+        return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def check_stop(self) -> None:
+        """Set ``finish_reason`` after a token was appended."""
+        last = self.output_ids[-1]
+        p = self.params
+        if last in p.stop_token_ids or (not p.ignore_eos and last in self.eos_token_ids):
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= p.max_tokens:
+            self.finish_reason = "length"
+
+
+@dataclass
+class Batch:
+    """What one forward step computes, passed explicitly to the engine.
+
+    ``extend_lens[i]`` new tokens of ``reqs[i]`` are computed, starting at ``reqs[i].num_computed``.
+    A decode batch has every extend_len 1. ``sample[i]`` is False for a prefill chunk that does not
+    reach the end of its prompt (no token is produced for it this step).
+    """
+
+    phase: str  # "prefill" | "decode"
+    reqs: list[Req]
+    extend_lens: list[int]
+    sample: list[bool]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    @classmethod
+    def decode(cls, reqs: list[Req]) -> Batch:
+        return cls("decode", reqs, [1] * len(reqs), [True] * len(reqs))

@@ -1,0 +1,176 @@
+"""Token sampling: penalties, temperature, top-k / top-p / min-p filtering and seeded draws.
+
+Per-request parameters differ within a batch, so every step works on [B] parameter tensors.
+Randomness is drawn per row from the request's own generator, which makes a seeded request
+reproducible whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.core.request import Req
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor  # [B] int64 on CPU, the chosen token per row
+    # [B] float32 on CPU: log-prob of the chosen token under log_softmax(raw logits), i.e. before
+    # penalties and temperature (what vLLM reports by default)
+    logprobs: torch.Tensor
+
+
+class Sampler(abc.ABC):
+    """Interface for sampler plugins (registered by name via the minisgl_register_samplers hook)."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+
+    @abc.abstractmethod
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Req]) -> SampleOutput:
+        """logits: [B, V] (any float dtype; work in float32) for the last position of each req,
+        row i belongs to reqs[i]."""
+
+
+# -- penalties ---------------------------------------------------------------------------------
+
+
+def token_counts(id_lists: Sequence[Sequence[int]], vocab_size: int,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """[B, V] float32 occurrence counts of each id list, built with one scatter_add."""
+    counts = torch.zeros(len(id_lists), vocab_size, dtype=torch.float32, device=device)
+    lens = torch.tensor([len(ids) for ids in id_lists], dtype=torch.int64)
+    if int(lens.sum()) == 0:
+        return counts
+    ids = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(id_lists)), lens)
+    flat = (rows * vocab_size + ids).to(device)  # index into the flattened [B*V] view
+    counts.view(-1).scatter_add_(0, flat, torch.ones(flat.numel(), device=device))
+    return counts
+
+
+def _row_param(reqs: Sequence[Req], name: str, device: torch.device) -> torch.Tensor:
+    """[B, 1] float32 column of one SamplingParams field, ready to broadcast over V."""
+    vals = [float(getattr(r.params, name)) for r in reqs]
+    return torch.tensor(vals, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _penalise(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+    """Apply all penalties to rows that all have some (float32 [b, V], returns a new tensor)."""
+    vocab, dev = logits.shape[1], logits.device
+    if any(r.params.repetition_penalty != 1.0 for r in reqs):
+        # HF/CTRL: divide positive logits, multiply negative ones, so the token always loses mass
+        rep = _row_param(reqs, "repetition_penalty", dev)
+        seen = token_counts([r.all_ids for r in reqs], vocab, dev) > 0
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    if any(r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0 for r in reqs):
+        # OpenAI: additive, over generated tokens only
+        counts = token_counts([r.output_ids for r in reqs], vocab, dev)
+        freq = _row_param(reqs, "frequency_penalty", dev)
+        pres = _row_param(reqs, "presence_penalty", dev)
+        logits = logits - freq * counts - pres * counts
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+    """Penalised float32 copy of logits [B, V]; the input is left untouched.
+
+    repetition_penalty over prompt_ids + output_ids, frequency/presence_penalty over output_ids.
+    Only the rows of requests that have penalties are computed.
+    """
+    out = logits.to(torch.float32, copy=True)
+    rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
+    if rows:
+        idx = torch.tensor(rows, dtype=torch.int64, device=out.device)
+        out[idx] = _penalise(out[idx], [reqs[i] for i in rows])
+    return out
+
+
+# -- filtering and drawing ---------------------------------------------------------------------
+
+
+def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tokens that top-k, then top-p, then min-p drop, and renormalise the rest.
+
+    probs [B, V]; top_k [B] int (-1 disables), top_p [B] float (1 disables), min_p [B] float
+    (0 disables). Each filter sees the distribution the previous one left (top-p mass is
+    measured on the renormalised top-k set, as vLLM does). The most likely token is always kept.
+    """
+    vocab = probs.shape[-1]
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=probs.device)
+    k = torch.where(top_k > 0, top_k, vocab).to(probs.device)
+    keep = rank < k.unsqueeze(1)
+    sorted_p = sorted_p * keep
+    # float64 cumsum: the top-p boundary should not move with float32 rounding over a big vocab
+    sorted_64 = sorted_p.double()
+    cum = sorted_64.cumsum(-1)
+    before = (cum - sorted_64) / cum[:, -1:]  # kept mass strictly above each token
+    p = top_p.to(probs.device, torch.float64).unsqueeze(1)
+    keep &= (before < p) | (p >= 1.0)  # keep while the mass above this token is short of top_p
+    keep &= sorted_p >= min_p.to(probs.device, torch.float32).unsqueeze(1) * sorted_p[:, :1]
+    mask = torch.zeros_like(keep).scatter_(-1, order, keep)
+    out = torch.where(mask, probs, torch.zeros_like(probs))
+    return out / out.sum(dim=-1, keepdim=True)
+
+
+def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row of probs [B, V], row i drawn with generators[i]; returns [B] int64.
+
+    Exponential race: argmax(p / q) with q ~ Exp(1) picks token i with probability p_i. The
+    noise of a row comes only from its own generator, so its draw does not depend on the batch.
+    """
+    vocab = probs.shape[-1]
+    noise = [torch.empty(vocab, dtype=torch.float32, device=g.device).exponential_(generator=g)
+             for g in generators]
+    q = torch.stack(noise).to(probs.device)
+    # Exp(1) can come out as exactly 0; 0/0 would be NaN, which argmax treats as the maximum
+    q.clamp_min_(torch.finfo(torch.float32).tiny)
+    return (probs.float() / q).argmax(dim=-1)
+
+
+def _filters_needed(reqs: Sequence[Req]) -> bool:
+    return any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in reqs)
+
+
+class TorchSampler(Sampler):
+    """The default sampler: pure torch, vectorised over the batch except the per-row noise."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        super().__init__(vocab_size, device)
+        # For unseeded requests. Seeded from torch's global RNG so torch.manual_seed(engine seed)
+        # makes a whole run reproducible.
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Req]) -> SampleOutput:
+        if logits.shape[0] != len(reqs):
+            raise ValueError(f"logits has {logits.shape[0]} rows for {len(reqs)} requests")
+        # A padded lm_head may emit columns past the vocabulary; they are never valid tokens.
+        raw = logits[:, : self.vocab_size].float()
+        penalised = apply_penalties(raw, reqs) if any(r.params.has_penalties for r in reqs) else raw
+        tokens = penalised.argmax(dim=-1)  # final for greedy rows
+        rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if rows:
+            idx = torch.tensor(rows, dtype=torch.int64, device=raw.device)
+            tokens[idx] = self._sample_rows(penalised[idx], [reqs[i] for i in rows])
+        logprobs = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - raw.logsumexp(dim=-1)
+        return SampleOutput(tokens.cpu(), logprobs.cpu())
+
+    def _sample_rows(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+        """Temperature, filters and a seeded draw for non-greedy rows."""
+        probs = torch.softmax(logits / _row_param(reqs, "temperature", logits.device), dim=-1)
+        if _filters_needed(reqs):
+            top_k = torch.tensor([r.params.top_k for r in reqs], dtype=torch.int64)
+            top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float64)
+            min_p = torch.tensor([r.params.min_p for r in reqs], dtype=torch.float32)
+            probs = filter_probs(probs, top_k, top_p, min_p)
+        gens = [r.generator if r.generator is not None else self.generator for r in reqs]
+        return sample_from_probs(probs, gens)

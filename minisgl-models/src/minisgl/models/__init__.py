@@ -1,0 +1,1 @@
+"""minisgl model plugin: Llama and Qwen3 families."""

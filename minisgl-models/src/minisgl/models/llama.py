@@ -1,0 +1,120 @@
+"""Llama (and SmolLM2): GQA, RoPE with llama3 scaling, tied or untied LM head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minisgl.core.attention import ForwardContext
+from minisgl.core.config import ModelConfig
+from minisgl.core.distributed import Communicator
+from minisgl.core.layers import (
+    AttentionLayer,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+)
+from minisgl.core.model import CausalLM
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, comm: Communicator, qk_norm: bool) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.attention_bias, comm)
+        self.heads, self.kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.attention_bias,
+                                        comm, "o_proj")
+        self.rotary_emb = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope_theta,
+                                          cfg.rope_scaling)
+        # Qwen3 normalises each head of q and k before RoPE
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
+        self.attn = AttentionLayer(layer_id, self.heads, self.kv_heads, d)
+        self.head_dim = d
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
+        q, k = q.view(t, self.heads, d), k.view(t, self.kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Communicator) -> None:
+        super().__init__()
+        n = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [n, n], False, comm,
+                                                       "intermediate_size")
+        self.down_proj = RowParallelLinear(n, cfg.hidden_size, False, comm, "intermediate_size")
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, comm: Communicator, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id, comm, qk_norm)
+        self.mlp = LlamaMLP(cfg, comm)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, comm, qk_norm) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, ctx)
+        return self.norm(x, residual)[0]
+
+
+class LlamaForCausalLM(CausalLM):
+    qk_norm = False
+    stacked_params = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, config: ModelConfig, comm: Communicator) -> None:
+        super().__init__(config, comm)
+        self.model = LlamaModel(config, comm, self.qk_norm)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, comm)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)

@@ -1,0 +1,397 @@
+"""TorchSampler and its helpers against independent float64 / plain-Python references."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from minisgl.core.request import Req
+from minisgl.core.sampling import (
+    Sampler,
+    SampleOutput,
+    TorchSampler,
+    apply_penalties,
+    filter_probs,
+    token_counts,
+)
+from minisgl.core.sampling_params import SamplingParams
+
+
+def make_req(seed: int | None = None, prompt: list[int] | None = None,
+             output: list[int] | None = None, **params: object) -> Req:
+    req = Req(prompt_ids=list(prompt or [0]), params=SamplingParams(**params),  # type: ignore[arg-type]
+              generator=None if seed is None else torch.Generator().manual_seed(seed))
+    req.output_ids = list(output or [])
+    return req
+
+
+def sampler(vocab: int) -> TorchSampler:
+    return TorchSampler(vocab, torch.device("cpu"))
+
+
+# -- brute-force references (float64, plain Python) ---------------------------------------------
+
+
+def softmax64(row: list[float], temperature: float = 1.0) -> list[float]:
+    m = max(row)
+    e = [math.exp((x - m) / temperature) for x in row]
+    s = sum(e)
+    return [x / s for x in e]
+
+
+def ref_top_k(probs: list[float], k: int) -> set[int]:
+    return set(sorted(range(len(probs)), key=lambda i: -probs[i])[:k])
+
+
+def ref_top_p(probs: list[float], p: float) -> set[int]:
+    """Smallest set of most likely tokens whose mass reaches p."""
+    kept: set[int] = set()
+    mass = 0.0
+    for i in sorted(range(len(probs)), key=lambda i: -probs[i]):
+        if mass >= p:
+            break
+        kept.add(i)
+        mass += probs[i]
+    return kept
+
+
+def ref_min_p(probs: list[float], min_p: float) -> set[int]:
+    top = max(probs)
+    return {i for i, x in enumerate(probs) if x >= min_p * top}
+
+
+def ref_keep(probs: list[float], k: int, p: float, min_p: float) -> set[int]:
+    """top-k, then top-p on the renormalised survivors, then min-p."""
+    kept = ref_top_k(probs, k) if k > 0 else set(range(len(probs)))
+    total = sum(probs[i] for i in kept)
+    renorm = [probs[i] / total if i in kept else 0.0 for i in range(len(probs))]
+    kept &= ref_top_p(renorm, p) if p < 1.0 else kept
+    return kept & ref_min_p(renorm, min_p)
+
+
+def kept_set(row: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(row > 0).flatten().tolist())
+
+
+# -- interface ----------------------------------------------------------------------------------
+
+
+def test_interface_and_output_types() -> None:
+    with pytest.raises(TypeError):
+        Sampler(8, torch.device("cpu"))  # type: ignore[abstract]
+    s = sampler(8)
+    assert isinstance(s, Sampler)
+    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    out = s.sample(logits, [make_req(1), make_req(temperature=0.0), make_req(2, top_k=3)])
+    assert isinstance(out, SampleOutput)
+    assert out.tokens.dtype == torch.int64 and out.tokens.shape == (3,)
+    assert out.logprobs.dtype == torch.float32 and out.logprobs.shape == (3,)
+    assert out.tokens.device.type == "cpu" and out.logprobs.device.type == "cpu"
+    with pytest.raises(ValueError, match="rows"):
+        s.sample(torch.zeros(2, 8), [make_req(1)])
+
+
+def test_padded_vocab_columns_are_never_sampled() -> None:
+    logits = torch.zeros(4, 12)
+    logits[:, 8:] = 100.0  # padding columns past the real vocabulary of 8
+    out = sampler(8).sample(logits, [make_req(i) for i in range(3)] + [make_req(temperature=0)])
+    assert (out.tokens < 8).all()
+
+
+# -- top-k / top-p / min-p ----------------------------------------------------------------------
+
+
+def test_top_k_samples_only_from_true_top_k() -> None:
+    vocab, n = 50, 300
+    gen = torch.Generator().manual_seed(0)
+    s = sampler(vocab)
+    for k in (2, 5, 17):
+        row = torch.randn(vocab, generator=gen) * 2
+        reqs = [make_req(1000 * k + i, top_k=k) for i in range(n)]
+        tokens = s.sample(row.expand(n, vocab).clone(), reqs).tokens.tolist()
+        allowed = ref_top_k(row.tolist(), k)
+        assert set(tokens) <= allowed
+        assert len(set(tokens)) > 1  # really sampling, not argmax
+
+
+def test_top_k_mixed_per_row_in_one_batch() -> None:
+    vocab = 40
+    logits = torch.randn(64, vocab, generator=torch.Generator().manual_seed(1)) * 3
+    ks = [(-1, 1, 2, 3, 7, 40)[i % 6] for i in range(64)]
+    out = sampler(vocab).sample(logits, [make_req(i, top_k=k) for i, k in enumerate(ks)])
+    for row, k, t in zip(logits.tolist(), ks, out.tokens.tolist()):
+        if k > 0:
+            assert t in ref_top_k(row, k)
+        if k == 1:
+            assert t == max(range(vocab), key=lambda i: row[i])
+
+
+def test_filter_probs_top_p_matches_reference() -> None:
+    batch, vocab = 32, 40
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(batch, vocab, generator=gen) * 2
+    top_p = torch.rand(batch, generator=gen) * 0.9 + 0.05
+    probs = torch.softmax(logits, dim=-1)
+    out = filter_probs(probs, torch.full((batch,), -1), top_p, torch.zeros(batch))
+    for b in range(batch):
+        ref = ref_top_p(probs[b].double().tolist(), float(top_p[b]))
+        assert kept_set(out[b]) == ref
+        # the survivors keep their relative weights, renormalised
+        kept = sorted(ref)
+        expect = probs[b, kept].double() / probs[b, kept].double().sum()
+        torch.testing.assert_close(out[b, kept].double(), expect, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(out.sum(-1), torch.ones(batch))
+
+
+def test_top_p_always_keeps_top_token_and_one_disables() -> None:
+    probs = torch.softmax(torch.tensor([[3.0, 1.0, 0.0, -1.0]] * 2), dim=-1)
+    out = filter_probs(probs, torch.tensor([-1, -1]), torch.tensor([1e-6, 1.0]),
+                       torch.zeros(2))
+    assert kept_set(out[0]) == {0}
+    assert kept_set(out[1]) == {0, 1, 2, 3}
+    # a row whose mass sums to slightly under 1 in float32 must still keep all with top_p=1
+    flat = torch.full((1, 100_000), 1e-5)
+    out = filter_probs(flat, torch.tensor([-1]), torch.tensor([1.0]), torch.zeros(1))
+    assert bool((out > 0).all())
+
+
+def test_sampled_tokens_stay_in_top_p_set() -> None:
+    vocab, n = 30, 200
+    gen = torch.Generator().manual_seed(3)
+    s = sampler(vocab)
+    for p, temp in ((0.3, 1.0), (0.6, 0.7), (0.9, 1.5)):
+        row = torch.randn(vocab, generator=gen) * 2
+        reqs = [make_req(i, top_p=p, temperature=temp) for i in range(n)]
+        tokens = s.sample(row.expand(n, vocab).clone(), reqs).tokens.tolist()
+        allowed = ref_top_p(softmax64(row.tolist(), temp), p)
+        assert set(tokens) <= allowed
+        if len(allowed) > 1:
+            assert len(set(tokens)) > 1
+
+
+def test_filter_probs_min_p_matches_reference() -> None:
+    batch, vocab = 32, 40
+    gen = torch.Generator().manual_seed(4)
+    probs = torch.softmax(torch.randn(batch, vocab, generator=gen) * 2, dim=-1)
+    min_p = torch.rand(batch, generator=gen) * 0.5
+    out = filter_probs(probs, torch.full((batch,), -1), torch.ones(batch), min_p)
+    for b in range(batch):
+        assert kept_set(out[b]) == ref_min_p(probs[b].double().tolist(), float(min_p[b]))
+
+
+def test_sampled_tokens_stay_in_min_p_set() -> None:
+    vocab, n = 30, 200
+    gen = torch.Generator().manual_seed(5)
+    s = sampler(vocab)
+    for mp in (0.05, 0.2, 0.5):
+        row = torch.randn(vocab, generator=gen) * 2
+        tokens = s.sample(row.expand(n, vocab).clone(),
+                          [make_req(i, min_p=mp) for i in range(n)]).tokens.tolist()
+        allowed = ref_min_p(softmax64(row.tolist()), mp)
+        assert set(tokens) <= allowed
+        if len(allowed) > 1:
+            assert len(set(tokens)) > 1
+
+
+def test_filter_probs_combined_matches_reference() -> None:
+    batch, vocab = 48, 25
+    gen = torch.Generator().manual_seed(6)
+    probs = torch.softmax(torch.randn(batch, vocab, generator=gen) * 2, dim=-1)
+    top_k = torch.randint(1, vocab + 1, (batch,), generator=gen)
+    top_k[::4] = -1
+    top_p = torch.rand(batch, generator=gen) * 0.9 + 0.05
+    top_p[1::4] = 1.0
+    min_p = torch.rand(batch, generator=gen) * 0.3
+    min_p[2::4] = 0.0
+    out = filter_probs(probs, top_k, top_p, min_p)
+    for b in range(batch):
+        ref = ref_keep(probs[b].double().tolist(), int(top_k[b]), float(top_p[b]),
+                       float(min_p[b]))
+        assert kept_set(out[b]) == ref
+
+
+# -- greedy / temperature -----------------------------------------------------------------------
+
+
+def test_near_zero_temperature_is_greedy_argmax() -> None:
+    batch, vocab = 16, 100
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(7))
+    expect = [max(range(vocab), key=lambda i: row[i]) for row in logits.tolist()]
+    s = sampler(vocab)
+    for params in ({"temperature": 1e-6}, {"temperature": 0.0}, {"top_k": 1}):
+        out = s.sample(logits, [make_req(i, **params) for i in range(batch)])
+        assert out.tokens.tolist() == expect
+
+
+def test_small_but_sampled_temperature_concentrates_on_argmax() -> None:
+    # temperature 1e-3 is above the greedy cutoff; logit gaps of >= 0.1 make it one-hot
+    logits = torch.tensor([[0.0, 0.5, 2.0, 1.9, -1.0]] * 50)
+    out = sampler(5).sample(logits, [make_req(i, temperature=1e-3) for i in range(50)])
+    assert out.tokens.tolist() == [2] * 50
+
+
+def test_greedy_ties_pick_lowest_id() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0], [-2.0, -1.0, 0.0, 0.0]])
+    out = sampler(4).sample(logits, [make_req(temperature=0.0) for _ in range(3)])
+    assert out.tokens.tolist() == [1, 0, 2]
+
+
+# -- seeds --------------------------------------------------------------------------------------
+
+
+def _run_seeded(seed: int, steps: list[torch.Tensor], position: int,
+                companions: list[Req]) -> list[int]:
+    """Tokens of one seeded request over several steps, placed at ``position`` in the batch."""
+    s = sampler(steps[0].shape[-1])
+    req = make_req(seed, top_p=0.95, temperature=0.9)
+    tokens = []
+    for step_logits in steps:
+        reqs = companions[:position] + [req] + companions[position:]
+        batch = step_logits.expand(len(reqs), -1).clone()
+        out = s.sample(batch, reqs)
+        tokens.append(int(out.tokens[position]))
+        req.output_ids.append(tokens[-1])
+    return tokens
+
+
+def test_seed_reproducible_across_calls_positions_and_companions() -> None:
+    vocab = 64
+    gen = torch.Generator().manual_seed(8)
+    steps = [torch.randn(vocab, generator=gen) * 0.5 for _ in range(12)]
+    alone = _run_seeded(42, steps, 0, [])
+    assert alone == _run_seeded(42, steps, 0, [])
+    companions = [make_req(7), make_req(None), make_req(temperature=0.0), make_req(9, top_k=3),
+                  make_req(None, repetition_penalty=1.5, output=[1, 2])]
+    assert alone == _run_seeded(42, steps, 3, companions)
+    assert alone == _run_seeded(42, steps, 5, companions[::-1])
+    assert len(set(alone)) > 1
+
+
+def test_different_seeds_differ() -> None:
+    vocab = 1000
+    steps = [torch.zeros(vocab) for _ in range(10)]  # flat distribution
+    assert _run_seeded(1, steps, 0, []) != _run_seeded(2, steps, 0, [])
+
+
+def test_unseeded_requests_use_sampler_generator() -> None:
+    logits = torch.zeros(200, 1000)
+    torch.manual_seed(0)
+    a = sampler(1000).sample(logits, [make_req(None) for _ in range(200)]).tokens
+    torch.manual_seed(0)  # sampler-owned generator derives from the global seed
+    b = sampler(1000).sample(logits, [make_req(None) for _ in range(200)]).tokens
+    assert torch.equal(a, b)
+    assert len(set(a.tolist())) > 100
+
+
+# -- penalties ----------------------------------------------------------------------------------
+
+
+def hand_penalties(logits: list[float], prompt: list[int], output: list[int], rep: float,
+                   freq: float, pres: float) -> list[float]:
+    out = []
+    for tok, x in enumerate(logits):
+        if tok in prompt or tok in output:
+            x = x / rep if x > 0 else x * rep
+        count = 0
+        for o in output:
+            if o == tok:
+                count += 1
+        x -= freq * count
+        if count > 0:
+            x -= pres
+        out.append(x)
+    return out
+
+
+def test_apply_penalties_matches_hand_computation() -> None:
+    vocab = 8
+    rows = [
+        [2.0, -1.5, 0.5, -0.25, 0.0, 3.0, -2.0, 1.0],
+        [-1.0, 2.5, -0.5, 0.75, 1.5, -3.0, 0.0, 0.25],
+        [0.3, 0.2, 0.1, 0.0, -0.1, -0.2, -0.3, -0.4],
+        [1.0, 1.0, -1.0, -1.0, 2.0, 2.0, -2.0, -2.0],
+    ]
+    cases = [  # prompt, output, repetition, frequency, presence
+        ([1, 2, 2], [2, 3, 3, 5], 1.3, 0.5, 0.25),
+        ([0, 7], [1, 1, 1, 6], 0.8, -0.4, 0.6),  # penalties < 1 / < 0 encourage repeats
+        ([4, 5], [], 2.0, 1.0, 1.0),  # nothing generated: only the prompt-based repetition
+        ([0, 1], [2, 3], 1.0, 0.0, 0.0),  # no penalties: row must be untouched
+    ]
+    reqs = [make_req(None, prompt=p, output=o, repetition_penalty=r, frequency_penalty=f,
+                     presence_penalty=pr) for p, o, r, f, pr in cases]
+    logits = torch.tensor(rows)
+    before = logits.clone()
+    got = apply_penalties(logits, reqs)
+    assert torch.equal(logits, before)  # input not modified
+    assert got.dtype == torch.float32
+    for b, (p, o, r, f, pr) in enumerate(cases):
+        expect = torch.tensor(hand_penalties(rows[b], p, o, r, f, pr))
+        torch.testing.assert_close(got[b], expect, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[3], logits[3])
+    assert got.shape == (4, vocab)
+
+
+def test_token_counts() -> None:
+    counts = token_counts([[0, 2, 2], [], [3, 3, 3, 1]], 4)
+    assert counts.tolist() == [[1, 0, 2, 0], [0, 0, 0, 0], [0, 1, 0, 3]]
+
+
+def test_greedy_uses_penalised_logits_and_logprobs_use_raw() -> None:
+    logits = torch.tensor([[2.0, 1.9, 0.0, -1.0]] * 2)
+    reqs = [make_req(temperature=0.0, output=[0], repetition_penalty=1.2),
+            make_req(temperature=0.0, output=[0], frequency_penalty=0.5)]
+    out = sampler(4).sample(logits, reqs)
+    assert out.tokens.tolist() == [1, 1]  # token 0 penalised below token 1
+    raw = torch.log_softmax(logits.double(), dim=-1)[:, 1].float()
+    torch.testing.assert_close(out.logprobs, raw)
+
+
+# -- distribution and logprobs ------------------------------------------------------------------
+
+
+def _assert_frequencies(tokens: list[int], probs: list[float]) -> None:
+    n = len(tokens)
+    counts = Counter(tokens)
+    for tok, p in enumerate(probs):
+        freq = counts.get(tok, 0) / n
+        assert abs(freq - p) <= 4 * math.sqrt(p * (1 - p) / n) + 2e-3, (tok, freq, p)
+
+
+def test_empirical_distribution_matches_softmax() -> None:
+    n = 20_000
+    row = [1.0, 0.0, 2.0, -1.0, 0.5, 1.5, -0.5, 0.25]
+    logits = torch.tensor(row).expand(n, 8).clone()
+    gen = torch.Generator().manual_seed(9)  # one generator shared by all rows: sequential draws
+    reqs = [Req(prompt_ids=[0], params=SamplingParams(), generator=gen) for _ in range(n)]
+    _assert_frequencies(sampler(8).sample(logits, reqs).tokens.tolist(), softmax64(row))
+
+
+def test_empirical_distribution_with_temperature_and_top_k() -> None:
+    n = 20_000
+    row = [1.0, 0.0, 2.0, -1.0, 0.5, 1.5, -0.5, 0.25]
+    logits = torch.tensor(row).expand(n, 8).clone()
+    gen = torch.Generator().manual_seed(10)
+    params = SamplingParams(temperature=0.7, top_k=4)
+    reqs = [Req(prompt_ids=[0], params=params, generator=gen) for _ in range(n)]
+    p = softmax64(row, 0.7)
+    top = ref_top_k(p, 4)
+    mass = sum(p[i] for i in top)
+    expect = [p[i] / mass if i in top else 0.0 for i in range(8)]
+    _assert_frequencies(sampler(8).sample(logits, reqs).tokens.tolist(), expect)
+
+
+def test_logprobs_are_raw_log_softmax_at_chosen_token() -> None:
+    batch, vocab = 24, 50
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(11)) * 3
+    kinds: list[dict[str, object]] = [
+        {}, {"temperature": 0.0}, {"temperature": 0.5, "top_k": 5}, {"top_p": 0.5},
+        {"min_p": 0.1, "temperature": 1.3}, {"repetition_penalty": 1.5, "presence_penalty": 1.0},
+    ]
+    reqs = [make_req(i, output=[1, 2, 3], **kinds[i % len(kinds)]) for i in range(batch)]
+    out = sampler(vocab).sample(logits, reqs)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    expect = ref[torch.arange(batch), out.tokens].float()
+    torch.testing.assert_close(out.logprobs, expect, rtol=1e-5, atol=1e-5)
