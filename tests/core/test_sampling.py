@@ -152,10 +152,23 @@ def test_top_p_always_keeps_top_token_and_one_disables() -> None:
                        torch.zeros(2))
     assert kept_set(out[0]) == {0}
     assert kept_set(out[1]) == {0, 1, 2, 3}
-    # a row whose mass sums to slightly under 1 in float32 must still keep all with top_p=1
+    # top_p=1 keeps everything, even a token too small to move the cumulative mass
+    tiny = torch.tensor([[1.0, 1e-30]])
+    out = filter_probs(tiny, torch.tensor([-1]), torch.tensor([1.0]), torch.zeros(1))
+    assert kept_set(out[0]) == {0, 1}
     flat = torch.full((1, 100_000), 1e-5)
     out = filter_probs(flat, torch.tensor([-1]), torch.tensor([1.0]), torch.zeros(1))
     assert bool((out > 0).all())
+
+
+def test_top_p_boundary_exact_mass() -> None:
+    # dyadic probabilities are exact in float: mass 0.75 is reached by {0, 1} exactly
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.125]] * 3)
+    out = filter_probs(probs, torch.full((3,), -1), torch.tensor([0.75, 0.7501, 0.5]),
+                       torch.zeros(3))
+    assert [kept_set(r) for r in out] == [{0, 1}, {0, 1, 2}, {0}]
+    assert [ref_top_p(r, p) for r, p in zip(probs.double().tolist(), (0.75, 0.7501, 0.5))] \
+        == [{0, 1}, {0, 1, 2}, {0}]
 
 
 def test_sampled_tokens_stay_in_top_p_set() -> None:
@@ -340,13 +353,14 @@ def test_token_counts() -> None:
 
 
 def test_greedy_uses_penalised_logits_and_logprobs_use_raw() -> None:
-    logits = torch.tensor([[2.0, 1.9, 0.0, -1.0]] * 2)
-    reqs = [make_req(temperature=0.0, output=[0], repetition_penalty=1.2),
-            make_req(temperature=0.0, output=[0], frequency_penalty=0.5)]
+    logits = torch.tensor([[2.0, 1.9, 0.0, -1.0]] * 3)
+    reqs = [make_req(temperature=0.0, output=[0], repetition_penalty=1.2),  # 1.67 < 1.9
+            make_req(temperature=0.0, output=[0], frequency_penalty=0.5),  # 1.5 < 1.9
+            make_req(temperature=0.0, output=[0, 0, 1], frequency_penalty=0.5)]  # 1.0 < 1.4
     out = sampler(4).sample(logits, reqs)
-    assert out.tokens.tolist() == [1, 1]  # token 0 penalised below token 1
+    assert out.tokens.tolist() == [1, 1, 1]  # token 0 penalised below token 1
     raw = torch.log_softmax(logits.double(), dim=-1)[:, 1].float()
-    torch.testing.assert_close(out.logprobs, raw)
+    torch.testing.assert_close(out.logprobs, raw)  # even where token 1 itself was penalised
 
 
 # -- distribution and logprobs ------------------------------------------------------------------

@@ -15,7 +15,7 @@ from minisgl.core.kvcache import KVPool, PageAllocator, ReqToTokenTable
 from minisgl.core.model import CausalLM
 from minisgl.core.plugins import PluginManager, get_plugin_manager
 from minisgl.core.request import Batch
-from minisgl.core.sampling import Sampler, SampleOutput
+from minisgl.core.sampling import SampleOutput, Sampler
 from minisgl.core.weights import iter_weights
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from minisgl.core.bundled import resolve_model
 from minisgl.core.config import EngineConfig
@@ -14,8 +15,9 @@ from minisgl.core.request import Req
 from minisgl.core.sampling_params import SamplingParams
 from minisgl.core.scheduler import Scheduler
 
-Prompt = Union[str, list[int]]
+Prompt = str | list[int]
 Message = dict[str, Any]
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclass
@@ -46,16 +48,23 @@ class LLM:
         self.config = EngineConfig(model=path, dtype=dtype, **kwargs)
         self.engine = Engine(self.config)
         self.scheduler = Scheduler(self.engine)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        # checkpoints without tokenizer files (tiny test models) still take token-id prompts
+        has_tok = any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)
+        self.tokenizer = AutoTokenizer.from_pretrained(path) if has_tok else None
 
     # -- helpers -----------------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids: list[int] = self._need_tokenizer("prompt").encode(prompt)
             return ids
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             raise ValueError("prompt: must be a string or a list of token ids")
         return list(prompt)
+
+    def _need_tokenizer(self, field: str) -> Any:
+        if self.tokenizer is None:
+            raise ValueError(f"{field}: {self.config.model} has no tokenizer; pass token ids")
+        return self.tokenizer
 
     def _make_reqs(self, prompts: Sequence[Prompt],
                    sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[Req]:
@@ -88,7 +97,8 @@ class LLM:
             raise
 
     def _output(self, req: Req, prompt: Prompt) -> RequestOutput:
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        text = "" if self.tokenizer is None else self.tokenizer.decode(
+            req.output_ids, skip_special_tokens=True)
         return RequestOutput(prompt if isinstance(prompt, str) else None, req.prompt_ids, text,
                              list(req.output_ids), req.finish_reason or "abort",
                              list(req.output_logprobs))
@@ -112,7 +122,7 @@ class LLM:
         convs: Sequence[list[Message]] = [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[list-item,assignment]
         prompts: list[Prompt] = []
         for conv in convs:
-            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+            ids = self._need_tokenizer("messages").apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers >= 5 BatchEncoding
                 ids = ids["input_ids"]
             prompts.append(list(ids))

@@ -74,7 +74,7 @@ def _penalise(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
         counts = token_counts([r.output_ids for r in reqs], vocab, dev)
         freq = _row_param(reqs, "frequency_penalty", dev)
         pres = _row_param(reqs, "presence_penalty", dev)
-        logits = logits - freq * counts - pres * counts
+        logits = logits - freq * counts - pres * (counts > 0).float()
     return logits
 
 

@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Protocol, Union
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -20,7 +20,7 @@ class LazySlice(Protocol):
     def __getitem__(self, idx: Any) -> torch.Tensor: ...
 
 
-WeightSource = Union[torch.Tensor, LazySlice]
+WeightSource = torch.Tensor | LazySlice
 
 
 def shape_of(src: WeightSource) -> list[int]:

@@ -1,0 +1,1 @@
+"""minisgl server package: the ``minisgl`` command (and, later, the HTTP server)."""

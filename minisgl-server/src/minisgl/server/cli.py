@@ -1,0 +1,104 @@
+"""The ``minisgl`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine options as flags; names match LLM(...) keyword arguments."""
+    from minisgl.core.config import EngineConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    p.add_argument("--model", default="smollm2", help="HF directory or bundled alias (smollm2)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CPU), bfloat16, float32")
+    p.add_argument("--device", default=defaults["device"])
+    p.add_argument("--attention-backend", default=defaults["attention_backend"])
+    p.add_argument("--sampler", default=defaults["sampler"])
+    p.add_argument("--schedule-policy", default=defaults["schedule_policy"])
+    p.add_argument("--page-size", type=int, default=defaults["page_size"])
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=int, default=defaults["kv_cache_memory"],
+                   help="bytes for the KV pool (ignored with --num-pages)")
+    p.add_argument("--max-running-requests", type=int, default=defaults["max_running_requests"])
+    p.add_argument("--max-prefill-tokens", type=int, default=defaults["max_prefill_tokens"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--seed", type=int, default=defaults["seed"])
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ["dtype", "device", "attention_backend", "sampler", "schedule_policy", "page_size",
+            "num_pages", "kv_cache_memory", "max_running_requests", "max_prefill_tokens",
+            "max_model_len", "seed"]
+    return {k: getattr(args, k) for k in keys}
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from minisgl.core.plugins import get_plugin_manager
+
+    pm = get_plugin_manager()
+    print(json.dumps(pm.as_dict(), indent=2) if args.json else pm.describe())
+    return 0
+
+
+def _sampling(args: argparse.Namespace) -> Any:
+    from minisgl.core import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from minisgl.core import LLM
+
+    llm = LLM(model=args.model, **engine_kwargs(args))
+    sp = _sampling(args)
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], sp)
+    else:
+        outs = llm.generate(list(args.prompt), sp)
+    for prompt, out in zip(args.prompt, outs):
+        print(f"### {prompt}\n{out.text}\n[{len(out.token_ids)} tokens, {out.finish_reason}]")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minisgl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plugins", help="list installed plugins and what they register")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("generate", help="run the offline engine on some prompts")
+    add_engine_args(p)
+    p.add_argument("prompt", nargs="+")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    p.set_defaults(func=cmd_generate)
+
+    from minisgl.server import bench
+
+    bench.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, RuntimeError) as e:  # user-facing errors: one line, no traceback
+        print(f"minisgl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

