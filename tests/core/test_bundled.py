@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from minisgl.core import bundled
 from minisgl.core.bundled import BUNDLED_ALIASES, BundledModelMissing, resolve_model
 

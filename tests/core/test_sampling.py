@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
 
 from minisgl.core.request import Req
 from minisgl.core.sampling import (
-    Sampler,
     SampleOutput,
+    Sampler,
     TorchSampler,
     apply_penalties,
     filter_probs,
@@ -22,7 +23,7 @@ from minisgl.core.sampling_params import SamplingParams
 
 def make_req(seed: int | None = None, prompt: list[int] | None = None,
              output: list[int] | None = None, **params: object) -> Req:
-    req = Req(prompt_ids=list(prompt or [0]), params=SamplingParams(**params),  # type: ignore[arg-type]
+    req = Req(prompt_ids=list(prompt or [0]), params=SamplingParams(**params),
               generator=None if seed is None else torch.Generator().manual_seed(seed))
     req.output_ids = list(output or [])
     return req
@@ -81,7 +82,7 @@ def kept_set(row: torch.Tensor) -> set[int]:
 
 def test_interface_and_output_types() -> None:
     with pytest.raises(TypeError):
-        Sampler(8, torch.device("cpu"))  # type: ignore[abstract]
+        Sampler(8, torch.device("cpu"))
     s = sampler(8)
     assert isinstance(s, Sampler)
     logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
@@ -400,7 +401,7 @@ def test_empirical_distribution_with_temperature_and_top_k() -> None:
 def test_logprobs_are_raw_log_softmax_at_chosen_token() -> None:
     batch, vocab = 24, 50
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(11)) * 3
-    kinds: list[dict[str, object]] = [
+    kinds: list[dict[str, Any]] = [
         {}, {"temperature": 0.0}, {"temperature": 0.5, "top_k": 5}, {"top_p": 0.5},
         {"min_p": 0.1, "temperature": 1.3}, {"repetition_penalty": 1.5, "presence_penalty": 1.0},
     ]

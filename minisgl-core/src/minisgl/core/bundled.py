@@ -111,6 +111,9 @@ def bundled_model_dir() -> Path:
     with _file_lock(models / f".{SMOLLM2_NAME}.lock"):
         # Another process may have finished while we waited for the lock.
         if not (target / _MARKER).is_file():
+            # Temp dirs seen while holding the lock belong to converters that were killed.
+            for stale in models.glob(f".{SMOLLM2_NAME}.tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
             _convert_atomically(gguf, target)
     return target
 

@@ -1,11 +1,449 @@
-"""``minisgl bench``: placeholder, filled in by the benchmark module."""
+"""``minisgl bench``: minisgl vs HF transformers ``generate`` on the workloads of benchmarks.md.
+
+Workloads (``--scale`` multiplies every length, ``--num-requests`` the request count):
+
+* ``offline-mixed``: N requests (64), prompt length uniform in [64, 512], output length uniform in
+  [32, 256], random non-special token ids, greedy, ignore_eos, seed 0. Metric: generated tokens /
+  wall time. HF runs static batches of 16 with left padding and counts only each request's own
+  output tokens.
+* ``latency``: one 128-token prompt, 128 output tokens: decode ms/token measured apart from the
+  prefill (time to first token, then the rest / (n - 1)); plus one 1024-token prefill.
+
+Every result is also put next to a ceiling measured in the same run: a matmul in the run's dtype
+(FLOP/s) and a large reduction (memory read GB/s). Progress goes to stderr, the table to stdout.
+"""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+WORKLOADS = ("offline-mixed", "latency")
+
+
+# ---------------------------------------------------------------------------- records
+
+
+@dataclass
+class Timing:
+    """One request timed from submission: first token after ``ttft_s``, all ``n_out`` by ``total_s``."""
+
+    ttft_s: float
+    total_s: float
+    n_out: int
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        return (self.total_s - self.ttft_s) / max(1, self.n_out - 1) * 1e3
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+@dataclass
+class Row:
+    workload: str
+    system: str
+    metric: str
+    value: float
+    higher_is_better: bool
+    speedup_vs_hf: float | None = None  # >1: minisgl better than HF
+    ceiling: float | None = None  # best value the hardware allows, same unit
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fraction_of_ceiling(self) -> float | None:
+        if self.ceiling is None or self.value <= 0:
+            return None
+        return self.value / self.ceiling if self.higher_is_better else self.ceiling / self.value
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- machine and ceilings
+
+
+def machine_info(dtype: torch.dtype) -> dict[str, Any]:
+    return {"cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+            "device": "cpu"}
+
+
+def _best_time(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def measure_ceilings(dtype: torch.dtype) -> dict[str, float]:
+    """Peak matmul FLOP/s in ``dtype`` (n=2048) and memory read bandwidth (256 MB float32 sum)."""
+    n = 2048
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    flops = 2 * n ** 3 / _best_time(lambda: a @ b, 5)
+    x = torch.ones(64 * 1024 * 1024, dtype=torch.float32)
+    read = x.numel() * x.element_size() / _best_time(x.sum, 5)
+    return {"matmul_flops": flops, "mem_read_bytes_per_s": read}
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Analytic cost of a decoder-only transformer from its config (biases and norms ignored)."""
+
+    layer_params: int  # all decoder layers
+    lm_head_params: int
+    num_layers: int
+    attn_width: int  # num_heads * head_dim
+    bytes_per_param: int
+
+    @classmethod
+    def from_config(cls, mc: Any, dtype: torch.dtype) -> ModelCost:
+        d, hd = mc.hidden_size, mc.head_dim
+        attn = d * hd * (2 * mc.num_heads + 2 * mc.num_kv_heads)
+        mlp = 3 * d * mc.intermediate_size
+        return cls(mc.num_layers * (attn + mlp), mc.vocab_size * d, mc.num_layers,
+                   mc.num_heads * hd, torch.empty(0, dtype=dtype).element_size())
+
+    def decode_bytes(self) -> int:
+        """Weights read by one batch-1 decode step (the lm_head once, tied or not)."""
+        return (self.layer_params + self.lm_head_params) * self.bytes_per_param
+
+    def token_flops(self, position: int) -> float:
+        """Forward FLOPs of one token at ``position`` (no lm_head): matmuls + causal attention."""
+        return 2.0 * self.layer_params + 4.0 * self.num_layers * self.attn_width * (position + 1)
+
+    def prefill_flops(self, start: int, n: int) -> float:
+        """FLOPs of tokens at positions start .. start+n-1 (closed form of the sum)."""
+        positions_sum = n * start + n * (n + 1) / 2
+        return 2.0 * self.layer_params * n + 4.0 * self.num_layers * self.attn_width * positions_sum
+
+    def request_flops(self, prompt_len: int, output_len: int) -> float:
+        """Prompt + decoded tokens, plus the lm_head for every generated token."""
+        return (self.prefill_flops(0, prompt_len) + self.prefill_flops(prompt_len, output_len - 1)
+                + 2.0 * self.lm_head_params * output_len)
+
+
+# ---------------------------------------------------------------------------- workloads
+
+
+def normal_token_ids(tokenizer: Any, vocab_size: int) -> list[int]:
+    """Ids a random prompt may use: inside both vocabularies, no special or added tokens."""
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    return [i for i in range(min(vocab_size, len(tokenizer))) if i not in special]
+
+
+def random_prompt(rng: random.Random, ids: Sequence[int], n: int) -> list[int]:
+    return [ids[rng.randrange(len(ids))] for _ in range(n)]
+
+
+def _scaled(n: int, scale: float) -> int:
+    return max(1, round(n * scale))
+
+
+def offline_mixed(ids: Sequence[int], num_requests: int, scale: float, seed: int) -> Workload:
+    rng = random.Random(seed)
+    plens = [rng.randint(_scaled(64, scale), _scaled(512, scale)) for _ in range(num_requests)]
+    olens = [rng.randint(_scaled(32, scale), _scaled(256, scale)) for _ in range(num_requests)]
+    return Workload("offline-mixed", [random_prompt(rng, ids, n) for n in plens], olens)
+
+
+# ---------------------------------------------------------------------------- systems
+
+
+class System(Protocol):
+    name: str
+
+    def warmup(self, ids: Sequence[int]) -> None: ...
+
+    def run_offline(self, wl: Workload) -> tuple[int, float]:
+        """(generated tokens counted, wall seconds)."""
+        ...
+
+    def run_single(self, prompt: list[int], n_out: int) -> Timing: ...
+
+
+class MinisglSystem:
+    name = "minisgl"
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def warmup(self, ids: Sequence[int]) -> None:
+        rng = random.Random(1)
+        prompts = [random_prompt(rng, ids, n) for n in (32, 48)]
+        self.run_offline(Workload("warmup", prompts, [8, 8]))
+        self.run_single(random_prompt(rng, ids, 16), 4)
+
+    def run_offline(self, wl: Workload) -> tuple[int, float]:
+        from minisgl.core import SamplingParams
+
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                  for n in wl.output_lens]
+        t0 = time.perf_counter()
+        outs = self.llm.generate(wl.prompts, params)
+        elapsed = time.perf_counter() - t0
+        return sum(len(o.token_ids) for o in outs), elapsed
+
+    def run_single(self, prompt: list[int], n_out: int) -> Timing:
+        """Drive the scheduler directly so the first token's time is visible."""
+        from minisgl.core import SamplingParams
+        from minisgl.core.request import Req
+
+        sp = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
+        req = Req(list(prompt), sp, frozenset(self.llm.engine.model_config.eos_token_ids))
+        sched = self.llm.scheduler
+        t0 = time.perf_counter()
+        sched.add(req)
+        ttft: float | None = None
+        while not req.finished:
+            sched.step()
+            if ttft is None and req.output_ids:
+                ttft = time.perf_counter() - t0
+        total = time.perf_counter() - t0
+        assert ttft is not None
+        return Timing(ttft, total, len(req.output_ids))
+
+
+class _TokenClock:
+    """An HF streamer that only records when each put() happens (prompt first, then tokens)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+class HFSystem:
+    name = "hf"
+
+    def __init__(self, model_dir: str, dtype: torch.dtype, pad_id: int, batch_size: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.pad_id, self.batch_size = pad_id, batch_size
+
+    def warmup(self, ids: Sequence[int]) -> None:
+        rng = random.Random(1)
+        prompts = [random_prompt(rng, ids, n) for n in (32, 48)]
+        self.run_offline(Workload("warmup", prompts, [8, 8]))
+        self.run_single(random_prompt(rng, ids, 16), 4)
+
+    def _left_padded(self, prompts: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.int64)
+        mask = torch.zeros((len(prompts), width), dtype=torch.int64)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        return ids, mask
+
+    def _generate(self, ids: torch.Tensor, mask: torch.Tensor, n: int, streamer: Any = None) -> int:
+        """Greedy, exactly n new tokens (min_new_tokens keeps EOS from ending it: ignore_eos)."""
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                      max_new_tokens=n, min_new_tokens=n, pad_token_id=self.pad_id,
+                                      streamer=streamer)
+        return int(out.shape[1] - ids.shape[1])
+
+    def run_offline(self, wl: Workload) -> tuple[int, float]:
+        counted = 0
+        t0 = time.perf_counter()
+        for start in range(0, len(wl.prompts), self.batch_size):
+            prompts = wl.prompts[start: start + self.batch_size]
+            olens = wl.output_lens[start: start + self.batch_size]
+            ids, mask = self._left_padded(prompts)
+            generated = self._generate(ids, mask, max(olens))
+            counted += sum(min(n, generated) for n in olens)
+        return counted, time.perf_counter() - t0
+
+    def run_single(self, prompt: list[int], n_out: int) -> Timing:
+        ids, mask = self._left_padded([prompt])
+        clock = _TokenClock()
+        t0 = time.perf_counter()
+        generated = self._generate(ids, mask, n_out, streamer=clock)
+        total = time.perf_counter() - t0
+        ttft = clock.times[1] - t0 if len(clock.times) > 1 else total
+        return Timing(ttft, total, generated)
+
+
+# ---------------------------------------------------------------------------- runs
+
+
+def bench_offline(systems: Sequence[System], wl: Workload, repeats: int,
+                  cost: ModelCost, ceilings: dict[str, float]) -> list[Row]:
+    total_out = sum(wl.output_lens)
+    flops = sum(cost.request_flops(len(p), n) for p, n in zip(wl.prompts, wl.output_lens))
+    ceiling = total_out / (flops / ceilings["matmul_flops"])  # all FLOPs at matmul peak
+    rows = []
+    for s in systems:
+        rates, runs = [], []
+        for r in range(repeats):
+            log(f"offline-mixed: {s.name} run {r + 1}/{repeats} ({len(wl.prompts)} requests, "
+                f"{sum(len(p) for p in wl.prompts)} prompt + {total_out} output tokens)")
+            tokens, secs = s.run_offline(wl)
+            rates.append(tokens / secs)
+            runs.append({"tokens": tokens, "seconds": secs})
+            log(f"offline-mixed: {s.name} {tokens} tokens in {secs:.2f} s = {tokens / secs:.1f} tok/s")
+        rows.append(Row(wl.name, s.name, "output tok/s", statistics.median(rates), True,
+                        ceiling=ceiling, details={"runs": runs}))
+    return rows
+
+
+def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, repeats: int,
+                  seed: int, cost: ModelCost, ceilings: dict[str, float]) -> list[Row]:
+    rng = random.Random(seed)
+    plen, n_out, long_len = _scaled(128, scale), max(2, _scaled(128, scale)), _scaled(1024, scale)
+    prompt, long_prompt = random_prompt(rng, ids, plen), random_prompt(rng, ids, long_len)
+    decode_ceiling_ms = cost.decode_bytes() / ceilings["mem_read_bytes_per_s"] * 1e3
+    prefill_ceiling = long_len / (cost.prefill_flops(0, long_len) / ceilings["matmul_flops"])
+    rows = []
+    for s in systems:
+        decode, ttft, prefill = [], [], []
+        for r in range(repeats):
+            log(f"latency: {s.name} run {r + 1}/{repeats}: {plen}-token prompt, {n_out} tokens; "
+                f"then a {long_len}-token prefill")
+            t = s.run_single(prompt, n_out)
+            decode.append(t.decode_ms_per_token)
+            ttft.append(t.ttft_s * 1e3)
+            p = s.run_single(long_prompt, 1)
+            prefill.append(long_len / p.ttft_s)
+            log(f"latency: {s.name} decode {t.decode_ms_per_token:.2f} ms/token, "
+                f"ttft {t.ttft_s * 1e3:.1f} ms, prefill {long_len / p.ttft_s:.0f} tok/s")
+        rows += [
+            Row("latency", s.name, "decode ms/token", statistics.median(decode), False,
+                ceiling=decode_ceiling_ms, details={"runs": decode, "output_tokens": n_out}),
+            Row("latency", s.name, f"TTFT ms ({plen}-tok prompt)", statistics.median(ttft), False,
+                details={"runs": ttft}),
+            Row("latency", s.name, f"prefill tok/s ({long_len} tok)", statistics.median(prefill),
+                True, ceiling=prefill_ceiling, details={"runs": prefill}),
+        ]
+    return rows
+
+
+def add_speedups(rows: list[Row]) -> None:
+    hf = {(r.workload, r.metric): r.value for r in rows if r.system == "hf"}
+    for r in rows:
+        base = hf.get((r.workload, r.metric))
+        if base and r.value > 0:
+            r.speedup_vs_hf = r.value / base if r.higher_is_better else base / r.value
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    head = ["workload", "system", "metric", "value", "speedup vs hf", "of ceiling", "ceiling"]
+    body = [[r.workload, r.system, r.metric, f"{r.value:,.2f}",
+             "-" if r.speedup_vs_hf is None else f"{r.speedup_vs_hf:.2f}x",
+             "-" if r.fraction_of_ceiling is None else f"{r.fraction_of_ceiling:.0%}",
+             "-" if r.ceiling is None else f"{r.ceiling:,.2f}"] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+             for line in [head, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def machine_line(info: dict[str, Any], ceilings: dict[str, float]) -> str:
+    return (f"machine: {info['cores']} cores, {info['torch_threads']} torch threads, "
+            f"dtype {info['dtype']}, torch {info['torch']}; ceilings: "
+            f"{ceilings['matmul_flops'] / 1e9:.0f} GFLOP/s matmul, "
+            f"{ceilings['mem_read_bytes_per_s'] / 1e9:.1f} GB/s memory read")
+
+
+# ---------------------------------------------------------------------------- command
+
+
+def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
+    from minisgl.core import LLM
+
+    from minisgl.server.cli import engine_kwargs
+
+    log(f"loading minisgl ({args.model})")
+    llm = LLM(model=args.model, **engine_kwargs(args))
+    systems: list[System] = [MinisglSystem(llm)]
+    if args.compare == "hf":
+        log("loading HF transformers model")
+        tok = llm.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else llm.engine.model_config.eos_token_ids[0]
+        systems.append(HFSystem(llm.engine.model_config.path, llm.engine.dtype, int(pad),
+                                args.hf_batch_size))
+    return llm, systems
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.data_seed)
+    llm, systems = _load_systems(args)
+    info = machine_info(llm.engine.dtype)
+    log("measuring ceilings (matmul, memory read)")
+    ceilings = measure_ceilings(llm.engine.dtype)
+    print(machine_line(info, ceilings), flush=True)
+    cost = ModelCost.from_config(llm.engine.model_config, llm.engine.dtype)
+    ids = normal_token_ids(llm.tokenizer, llm.engine.model_config.vocab_size)
+    for s in systems:
+        log(f"warming up {s.name}")
+        s.warmup(ids)
+    workloads = WORKLOADS if args.workload == "all" else (args.workload,)
+    rows: list[Row] = []
+    for name in workloads:
+        if name == "offline-mixed":
+            wl = offline_mixed(ids, args.num_requests, args.scale, args.data_seed)
+            rows += bench_offline(systems, wl, args.repeats or 1, cost, ceilings)
+        else:
+            rows += bench_latency(systems, ids, args.scale, args.repeats or 3, args.data_seed,
+                                  cost, ceilings)
+    add_speedups(rows)
+    print(format_table(rows), flush=True)
+    if args.json:
+        report = {"machine": info, "ceilings": ceilings, "args": {k: v for k, v in vars(args).items()
+                                                                  if k != "func"},
+                  "results": [{**asdict(r), "fraction_of_ceiling": r.fraction_of_ceiling}
+                              for r in rows]}
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        log(f"wrote {args.json}")
+    return 0
 
 
 def add_parser(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser("bench", help="benchmarks (minisgl vs HF)")
-    p.set_defaults(func=lambda args: 0)
+    from minisgl.server.cli import add_engine_args
+
+    p: argparse.ArgumentParser = sub.add_parser(
+        "bench", help="benchmarks (minisgl vs HF)", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p)
+    p.add_argument("--workload", choices=[*WORKLOADS, "all"], default="offline-mixed")
+    p.add_argument("--compare", choices=["none", "hf"], default="none",
+                   help="also run HF transformers generate on the same prompts and dtype")
+    p.add_argument("--num-requests", type=int, default=64, help="offline-mixed request count")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply every prompt/output length (e.g. 0.25 for a smoke run)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs per system, median reported (default: offline-mixed 1, latency 3)")
+    p.add_argument("--hf-batch-size", type=int, default=16, help="HF static batch size")
+    p.add_argument("--data-seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.set_defaults(func=cmd_bench)

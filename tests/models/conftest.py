@@ -1,0 +1,126 @@
+"""Tiny random HF checkpoints (session-scoped), one per architecture detail under test.
+
+Weights are re-drawn after HF's init (which uses std 0.02 and all-ones norms): with such weights
+attention is nearly uniform and logits nearly flat, so rope, qk-norm or GQA mistakes would hide
+under the tolerance and greedy picks would sit on near ties. Here linear weights have std
+1/sqrt(fan_in) (unit-scale activations, attention scores of order 1), embeddings std 1 and every
+norm weight 1 + 0.3 * N(0, 1), so each of those parts visibly moves the logits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               # small, so the test prompts (up to 150 tokens) run well past it
+               "original_max_position_embeddings": 64}
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    name: str
+    arch: str  # "llama" | "qwen3"
+    tied: bool
+    seed: int
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int | None = None  # None: hidden // heads
+    rope: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default",
+                                                          "rope_theta": 10000.0})
+    attention_bias: bool = False
+    max_shard_size: str | None = None  # set: sharded checkpoint with an index.json
+
+    def __str__(self) -> str:
+        return self.name
+
+
+VOCAB = 256
+MAX_POS = 512
+
+SPECS = [
+    # GQA 4/2, untied head, llama3 rope scaling (all three frequency bands are hit with
+    # head_dim 16: wavelengths 6.3 < 64/4, 19.9 and 62.8 in between, the rest > 64)
+    TinySpec("llama-gqa-untied-llama3", "llama", tied=False, seed=1, layers=3, rope=LLAMA3_ROPE),
+    # tied embeddings, MQA (one KV head), q/k/v/o biases, rope theta 1e5 like SmolLM2
+    TinySpec("llama-tied-mqa-bias", "llama", tied=True, seed=2, kv_heads=1, attention_bias=True,
+             rope={"rope_type": "default", "rope_theta": 100000.0}),
+    # qk-norm, head_dim (32) explicitly different from hidden / heads (16)
+    TinySpec("qwen3-tied", "qwen3", tied=True, seed=3, head_dim=32),
+    TinySpec("qwen3-untied", "qwen3", tied=False, seed=4, layers=3, hidden=48, heads=6,
+             kv_heads=2, head_dim=16),
+    # the first spec's architecture again, saved in many shards (model.safetensors.index.json)
+    TinySpec("llama-llama3-sharded", "llama", tied=False, seed=5, layers=2, rope=LLAMA3_ROPE,
+             max_shard_size="40KB"),
+]
+SPEC_BY_NAME = {s.name: s for s in SPECS}
+
+
+def _hf_config(spec: TinySpec) -> Any:
+    from transformers import LlamaConfig, Qwen3Config
+
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB, hidden_size=spec.hidden, intermediate_size=2 * spec.hidden,
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads, max_position_embeddings=MAX_POS,
+        tie_word_embeddings=spec.tied, rope_parameters=dict(spec.rope), rms_norm_eps=1e-6,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, attention_bias=spec.attention_bias,
+    )
+    if spec.head_dim is not None:
+        common["head_dim"] = spec.head_dim
+    if spec.arch == "llama":
+        return LlamaConfig(**common)
+    return Qwen3Config(**common)
+
+
+@torch.no_grad()
+def _redraw_weights(model: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+        elif name.endswith(".bias"):
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        elif "embed_tokens" in name:
+            p.copy_(torch.randn(p.shape, generator=g))
+        else:  # [out, in] linear weights (lm_head included when untied)
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+
+
+def save_tiny(spec: TinySpec, path: Path) -> Path:
+    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+
+    torch.manual_seed(spec.seed)
+    cls = LlamaForCausalLM if spec.arch == "llama" else Qwen3ForCausalLM
+    model = cls(_hf_config(spec)).eval()
+    _redraw_weights(model, spec.seed)
+    if spec.tied:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    kw = {"max_shard_size": spec.max_shard_size} if spec.max_shard_size else {}
+    model.save_pretrained(path, **kw)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is spec.tied
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """All tiny checkpoints, written once per session (well under a second each)."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {s.name: save_tiny(s, root / s.name) for s in SPECS}
+
+
+@pytest.fixture(params=SPECS, ids=str)
+def tiny(request: pytest.FixtureRequest, tiny_dirs: dict[str, Path]) -> tuple[TinySpec, Path]:
+    """(spec, checkpoint dir), parametrized over every tiny architecture."""
+    spec: TinySpec = request.param
+    return spec, tiny_dirs[spec.name]
