@@ -8,14 +8,14 @@ finds an installed package; nothing in pluggy or importlib is mocked.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable
 
 import pluggy
 import pytest
@@ -198,15 +198,24 @@ def llm(path: Path, **kw: object) -> LLM:
     return LLM(model=str(path), dtype="float32", num_pages=32, **kw)
 
 
-def hf_logits(path: Path, ids: list[int]) -> torch.Tensor:
+@pytest.fixture(scope="module")
+def hf_next_logits(tiny_llama: dict[str, Path]) -> Callable[[list[int]], torch.Tensor]:
+    """The independent reference: HF transformers' float64 logits of the next token."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0, -1]
+    model = LlamaForCausalLM.from_pretrained(tiny_llama["LlamaForCausalLM"],
+                                             dtype=torch.float32).eval()
+
+    def next_logits(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0, -1].double()
+
+    return next_logits
 
 
-def test_fixture_model_runs_like_llama(tiny_llama: dict[str, Path]) -> None:
+def test_fixture_model_runs_like_llama(tiny_llama: dict[str, Path],
+                                       hf_next_logits: Callable[[list[int]], torch.Tensor]
+                                       ) -> None:
     from minisgl_fixture_plugin.model import FixtureLlamaForCausalLM
 
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -215,21 +224,25 @@ def test_fixture_model_runs_like_llama(tiny_llama: dict[str, Path]) -> None:
     got = [o.token_ids for o in fixture.generate(PROMPTS, sp)]
     want = [o.token_ids for o in llm(tiny_llama["LlamaForCausalLM"]).generate(PROMPTS, sp)]
     assert got == want and all(len(t) == 6 for t in got)
-    # and both are right: the first token is HF's argmax
-    assert [t[0] for t in got] == [int(hf_logits(tiny_llama["LlamaForCausalLM"], p).argmax())
-                                   for p in PROMPTS]
+    for prompt, tokens in zip(PROMPTS, got):  # and both are right: each token is HF's argmax
+        assert tokens == [int(hf_next_logits(prompt + tokens[:i]).argmax()) for i in range(6)]
 
 
-def test_fixture_sampler_rule(tiny_llama: dict[str, Path]) -> None:
+def test_fixture_sampler_rule(tiny_llama: dict[str, Path],
+                              hf_next_logits: Callable[[list[int]], torch.Tensor]) -> None:
     engine = llm(tiny_llama["LlamaForCausalLM"], sampler="fixture-lowest")
     assert type(engine.engine.sampler).__module__ == "minisgl_fixture_plugin.sampler"
-    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=3, ignore_eos=True))
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True))
+    not_argmax = 0
     for prompt, out in zip(PROMPTS, outs):
-        logits = hf_logits(tiny_llama["LlamaForCausalLM"], prompt).double()
-        first, second = sorted(range(len(logits)), key=lambda i: -float(logits[i]))[:2]
-        want = min(first, second)
-        assert out.token_ids[0] == want
-        assert out.logprobs[0] == pytest.approx(float(logits.log_softmax(-1)[want]), abs=1e-4)
+        for i, (token, logprob) in enumerate(zip(out.token_ids, out.logprobs)):
+            logits = hf_next_logits(prompt + out.token_ids[:i]).tolist()
+            top2 = sorted(range(len(logits)), key=lambda t: -logits[t])[:2]
+            assert token == min(top2)
+            assert logprob == pytest.approx(logits[token] - math.log(sum(map(math.exp, logits))),
+                                            abs=1e-4)
+            not_argmax += token != top2[0]
+    assert not_argmax > 0, "the rule never differed from greedy: the test could not tell them apart"
 
 
 # -- failures, duplicates, unknown names ---------------------------------------------------------

@@ -21,6 +21,16 @@ from minisgl.core.request import Batch, Req
 from minisgl.core.sampling_params import SamplingParams
 from minisgl.core.scheduler import Scheduler
 
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 # -- HF side ----------------------------------------------------------------------------------
 
 _HF_MODELS: dict[str, Any] = {}

@@ -67,7 +67,7 @@ class ModelConfig:
             for t in src if isinstance(src, list) else ([src] if src is not None else []):
                 if int(t) not in eos:
                     eos.append(int(t))
-        gen_defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty")
+        gen_defaults: dict[str, Any] = {k: gen[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty")
                         if k in gen and gen.get("do_sample", True)}
         return cls(
             path=str(p),

@@ -6,7 +6,7 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from minisgl.core.bundled import resolve_model
 from minisgl.core.config import EngineConfig
@@ -97,8 +97,8 @@ class LLM:
             raise
 
     def _output(self, req: Req, prompt: Prompt) -> RequestOutput:
-        text = "" if self.tokenizer is None else self.tokenizer.decode(
-            req.output_ids, skip_special_tokens=True)
+        text = "" if self.tokenizer is None else str(self.tokenizer.decode(
+            req.output_ids, skip_special_tokens=True))
         return RequestOutput(prompt if isinstance(prompt, str) else None, req.prompt_ids, text,
                              list(req.output_ids), req.finish_reason or "abort",
                              list(req.output_logprobs))
@@ -108,12 +108,15 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """One output per prompt, in order. Prompts are strings or lists of token ids."""
+        batch: list[Prompt]
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        reqs = self._make_reqs(prompts, sampling_params)  # type: ignore[arg-type]
+            batch = [cast(Prompt, prompts)]  # a single prompt
+        else:
+            batch = list(cast(Sequence[Prompt], prompts))
+        reqs = self._make_reqs(batch, sampling_params)
         self._run(reqs)
-        return [self._output(r, p) for r, p in zip(reqs, prompts)]  # type: ignore[arg-type]
+        return [self._output(r, p) for r, p in zip(reqs, batch)]
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None

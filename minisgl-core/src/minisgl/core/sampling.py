@@ -166,7 +166,7 @@ class TorchSampler(Sampler):
 
     def _sample_rows(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
         """Temperature, filters and a seeded draw for non-greedy rows."""
-        probs = torch.softmax(logits, dim=-1)
+        probs = torch.softmax(logits / _row_param(reqs, "temperature", logits.device), dim=-1)
         if _filters_needed(reqs):
             top_k = torch.tensor([r.params.top_k for r in reqs], dtype=torch.int64)
             top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float64)

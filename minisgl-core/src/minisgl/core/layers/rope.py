@@ -42,6 +42,9 @@ class RotaryEmbedding(nn.Module):
         inv = inv_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
+        # float32 tables, kept out of state_dict; typed attributes for mypy
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
         self.head_dim = head_dim
