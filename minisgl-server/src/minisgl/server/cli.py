@@ -55,8 +55,8 @@ def _sampling(args: argparse.Namespace) -> Any:
 def cmd_generate(args: argparse.Namespace) -> int:
     from minisgl.core import LLM
 
+    sp = _sampling(args)  # bad values fail before the model loads
     llm = LLM(model=args.model, **engine_kwargs(args))
-    sp = _sampling(args)
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], sp)
     else:

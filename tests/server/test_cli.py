@@ -1,0 +1,44 @@
+"""The `minisgl` command, run as a real subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def minisgl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, MINISGL_STRICT_PLUGINS="1", HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "minisgl.server.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_plugins_lists_builtin_plugins() -> None:
+    res = minisgl("plugins")
+    assert res.returncode == 0, res.stderr
+    for needle in ("minisgl-core", "minisgl-models", "minisgl-backends", "LlamaForCausalLM",
+                   "Qwen3ForCausalLM", "attention_backends: torch", "samplers: default"):
+        assert needle in res.stdout
+
+
+@pytest.mark.slow
+def test_generate_chat_on_bundled_model(smollm2_path: str) -> None:
+    res = minisgl("generate", "--chat", "--max-tokens", "20", "What is the capital of France?")
+    assert res.returncode == 0, res.stderr
+    assert "Paris" in res.stdout
+    assert "stop]" in res.stdout  # the answer ends on the chat end-of-turn token
+
+
+def test_bad_model_path_is_a_clear_error(tmp_path: os.PathLike[str]) -> None:
+    res = minisgl("generate", "--model", str(os.path.join(tmp_path, "nope")), "hi")
+    assert res.returncode == 2
+    assert "not a local directory" in res.stderr and "smollm2" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_bad_sampling_value_names_the_field(smollm2_path: str) -> None:
+    res = minisgl("generate", "--temperature", "-1", "hi")
+    assert res.returncode == 2
+    assert "temperature" in res.stderr and "Traceback" not in res.stderr
