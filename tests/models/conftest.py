@@ -7,8 +7,9 @@ under the tolerance and greedy picks would sit on near ties. Here linear weights
 1 + 0.3 * N(0, 1) and biases 0.3 * N(0, 1), so each of those parts visibly moves the logits.
 Embeddings get std 0.1: with a tied head, a larger embedding makes the current token's own logit
 dominate and greedy decoding just repeats it. With these draws the smallest top-1 / top-2 logit
-gap over all 32-token greedy references is about 4e-4, against engine-vs-HF differences of
-about 1e-5: the greedy comparisons are not decided by float rounding.
+gap over all 32-token greedy references is 4.6e-4 (seeds chosen for that), against
+engine-vs-HF logit differences of at most 6e-6: the greedy comparisons are not decided by float
+rounding (test_greedy_references_have_no_near_ties keeps it so).
 
 Tiny-model tests run torch single-threaded (autouse fixture below): their ops take microseconds,
 and on a busy 2-core machine OpenMP's thread hand-off made them 100x slower.
@@ -66,7 +67,7 @@ SPECS = [
              rope={"rope_type": "default", "rope_theta": 100000.0}),
     # qk-norm, head_dim (32) explicitly different from hidden / heads (16)
     TinySpec("qwen3-tied", "qwen3", tied=True, seed=3, head_dim=32),
-    TinySpec("qwen3-untied", "qwen3", tied=False, seed=4, layers=3, hidden=48, heads=6,
+    TinySpec("qwen3-untied", "qwen3", tied=False, seed=8, layers=3, hidden=48, heads=6,
              kv_heads=2, head_dim=16),
     # the first spec's architecture again, saved in many shards (model.safetensors.index.json)
     TinySpec("llama-llama3-sharded", "llama", tied=False, seed=5, layers=2, rope=LLAMA3_ROPE,

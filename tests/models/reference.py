@@ -21,6 +21,7 @@ from minisgl.core.request import Batch, Req
 from minisgl.core.sampling_params import SamplingParams
 from minisgl.core.scheduler import Scheduler
 
+
 @contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     old = torch.get_num_threads()

@@ -44,7 +44,7 @@ class Engine:
                  plugins: PluginManager | None = None) -> None:
         self.config = config
         self.comm = comm or Communicator(config.tp_rank, config.tp_size)
-        pm = plugins or get_plugin_manager()
+        self.plugins = pm = plugins or get_plugin_manager()
         self.model_config = mc = ModelConfig.from_pretrained(config.model)
         self.device = config.torch_device
         self.dtype = resolve_dtype(config.dtype, self.device, mc.hf_dtype)

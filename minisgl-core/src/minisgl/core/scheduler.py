@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from minisgl.core.engine import Engine
-from minisgl.core.plugins import get_plugin_manager
 from minisgl.core.policy import SchedulePolicy
 from minisgl.core.request import Batch, Req, Status
 
@@ -19,7 +18,7 @@ class Scheduler:
         self.engine = engine
         self.config = engine.config
         if policy is None:
-            policy = get_plugin_manager().schedulers.get(self.config.schedule_policy)(self.config)
+            policy = engine.plugins.schedulers.get(self.config.schedule_policy)(self.config)
         self.policy = policy
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted: prefilling (maybe chunked) or decoding
