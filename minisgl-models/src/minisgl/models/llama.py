@@ -21,6 +21,8 @@ from minisgl.core.layers import (
 )
 from minisgl.core.model import CausalLM
 
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, comm: Communicator, qk_norm: bool) -> None:
@@ -31,21 +33,19 @@ class LlamaAttention(nn.Module):
         self.heads, self.kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.attention_bias,
                                         comm, "o_proj")
-        self.rotary_emb = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope_theta,
-                                          cfg.rope_scaling)
         # Qwen3 normalises each head of q and k before RoPE
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.attn = AttentionLayer(layer_id, self.heads, self.kv_heads, d)
         self.head_dim = d
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, rope: CosSin, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
         q, k = q.view(t, self.heads, d), k.view(t, self.kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = RotaryEmbedding.apply(q, k, rope)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
@@ -70,10 +70,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, rope: CosSin, x: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, ctx)
+        h = self.self_attn(rope, h, ctx)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -86,12 +86,16 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(cfg, i, comm, qk_norm) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # one cos/sin table for all layers, looked up once per forward
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                                          cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary_emb.lookup(positions, x.dtype)
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, ctx)
+            x, residual = layer(rope, x, residual, ctx)
         return self.norm(x, residual)[0]
 
 

@@ -54,9 +54,19 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) as [T, 1, d] for ``positions`` [T]; compute once per forward, use per layer."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+    @classmethod
+    def apply(cls, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, heads, d] and k [T, kv_heads, d] by the looked-up angles."""
+        cos, sin = cos_sin
+        return q * cos + cls._rotate_half(q) * sin, k * cos + cls._rotate_half(k) * sin
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, d], k: [T, kv_heads, d]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+        return self.apply(q, k, self.lookup(positions, q.dtype))
