@@ -45,7 +45,7 @@ class LlamaAttention(nn.Module):
         q, k = q.view(t, self.heads, d), k.view(t, self.kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
-        q, k = RotaryEmbedding.apply(q, k, rope)
+        q, k = RotaryEmbedding.rotate(q, k, rope)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 

@@ -82,7 +82,7 @@ def log(msg: str) -> None:
 def machine_info(dtype: torch.dtype) -> dict[str, Any]:
     return {"cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
-            "device": "cpu"}
+            "device": "cpu", "load_average_1m": round(os.getloadavg()[0], 2)}
 
 
 def _best_time(fn: Callable[[], object], reps: int) -> float:
@@ -99,9 +99,9 @@ def measure_ceilings(dtype: torch.dtype) -> dict[str, float]:
     """Peak matmul FLOP/s in ``dtype`` (n=2048) and memory read bandwidth (256 MB float32 sum)."""
     n = 2048
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    flops = 2 * n ** 3 / _best_time(lambda: a @ b, 5)
+    flops = 2 * n ** 3 / _best_time(lambda: a @ b, 10)
     x = torch.ones(64 * 1024 * 1024, dtype=torch.float32)
-    read = x.numel() * x.element_size() / _best_time(x.sum, 5)
+    read = x.numel() * x.element_size() / _best_time(x.sum, 10)
     return {"matmul_flops": flops, "mem_read_bytes_per_s": read}
 
 
@@ -126,10 +126,6 @@ class ModelCost:
     def decode_bytes(self) -> int:
         """Weights read by one batch-1 decode step (the lm_head once, tied or not)."""
         return (self.layer_params + self.lm_head_params) * self.bytes_per_param
-
-    def token_flops(self, position: int) -> float:
-        """Forward FLOPs of one token at ``position`` (no lm_head): matmuls + causal attention."""
-        return 2.0 * self.layer_params + 4.0 * self.num_layers * self.attn_width * (position + 1)
 
     def prefill_flops(self, start: int, n: int) -> float:
         """FLOPs of tokens at positions start .. start+n-1 (closed form of the sum)."""
@@ -242,7 +238,8 @@ class HFSystem:
     def __init__(self, model_dir: str, dtype: torch.dtype, pad_id: int, batch_size: int) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        self.model = model.eval()
         self.pad_id, self.batch_size = pad_id, batch_size
 
     def warmup(self, ids: Sequence[int]) -> None:
@@ -297,19 +294,16 @@ def bench_offline(systems: Sequence[System], wl: Workload, repeats: int,
     total_out = sum(wl.output_lens)
     flops = sum(cost.request_flops(len(p), n) for p, n in zip(wl.prompts, wl.output_lens))
     ceiling = total_out / (flops / ceilings["matmul_flops"])  # all FLOPs at matmul peak
-    rows = []
-    for s in systems:
-        rates, runs = [], []
-        for r in range(repeats):
+    runs: dict[str, list[dict[str, float]]] = {s.name: [] for s in systems}
+    for r in range(repeats):  # systems interleaved within each repeat: they share the noise
+        for s in systems:
             log(f"offline-mixed: {s.name} run {r + 1}/{repeats} ({len(wl.prompts)} requests, "
                 f"{sum(len(p) for p in wl.prompts)} prompt + {total_out} output tokens)")
             tokens, secs = s.run_offline(wl)
-            rates.append(tokens / secs)
-            runs.append({"tokens": tokens, "seconds": secs})
+            runs[s.name].append({"tokens": tokens, "seconds": secs, "tok_s": tokens / secs})
             log(f"offline-mixed: {s.name} {tokens} tokens in {secs:.2f} s = {tokens / secs:.1f} tok/s")
-        rows.append(Row(wl.name, s.name, "output tok/s", statistics.median(rates), True,
-                        ceiling=ceiling, details={"runs": runs}))
-    return rows
+    return [Row(wl.name, name, "output tok/s", statistics.median(x["tok_s"] for x in rs), True,
+                ceiling=ceiling, details={"runs": rs}) for name, rs in runs.items()]
 
 
 def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, repeats: int,
@@ -319,26 +313,28 @@ def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, r
     prompt, long_prompt = random_prompt(rng, ids, plen), random_prompt(rng, ids, long_len)
     decode_ceiling_ms = cost.decode_bytes() / ceilings["mem_read_bytes_per_s"] * 1e3
     prefill_ceiling = long_len / (cost.prefill_flops(0, long_len) / ceilings["matmul_flops"])
-    rows = []
-    for s in systems:
-        decode, ttft, prefill = [], [], []
-        for r in range(repeats):
+    runs: dict[str, dict[str, list[float]]] = {
+        s.name: {"decode": [], "ttft": [], "prefill": []} for s in systems}
+    for r in range(repeats):  # systems interleaved within each repeat: they share the noise
+        for s in systems:
             log(f"latency: {s.name} run {r + 1}/{repeats}: {plen}-token prompt, {n_out} tokens; "
                 f"then a {long_len}-token prefill")
-            t = s.run_single(prompt, n_out)
-            decode.append(t.decode_ms_per_token)
-            ttft.append(t.ttft_s * 1e3)
-            p = s.run_single(long_prompt, 1)
-            prefill.append(long_len / p.ttft_s)
+            t, p = s.run_single(prompt, n_out), s.run_single(long_prompt, 1)
+            got = runs[s.name]
+            got["decode"].append(t.decode_ms_per_token)
+            got["ttft"].append(t.ttft_s * 1e3)
+            got["prefill"].append(long_len / p.ttft_s)
             log(f"latency: {s.name} decode {t.decode_ms_per_token:.2f} ms/token, "
                 f"ttft {t.ttft_s * 1e3:.1f} ms, prefill {long_len / p.ttft_s:.0f} tok/s")
+    rows = []
+    for name, got in runs.items():
         rows += [
-            Row("latency", s.name, "decode ms/token", statistics.median(decode), False,
-                ceiling=decode_ceiling_ms, details={"runs": decode, "output_tokens": n_out}),
-            Row("latency", s.name, f"TTFT ms ({plen}-tok prompt)", statistics.median(ttft), False,
-                details={"runs": ttft}),
-            Row("latency", s.name, f"prefill tok/s ({long_len} tok)", statistics.median(prefill),
-                True, ceiling=prefill_ceiling, details={"runs": prefill}),
+            Row("latency", name, "decode ms/token", statistics.median(got["decode"]), False,
+                ceiling=decode_ceiling_ms, details={"runs": got["decode"], "output_tokens": n_out}),
+            Row("latency", name, f"TTFT ms ({plen}-tok prompt)", statistics.median(got["ttft"]),
+                False, details={"runs": got["ttft"]}),
+            Row("latency", name, f"prefill tok/s ({long_len} tok)", statistics.median(got["prefill"]),
+                True, ceiling=prefill_ceiling, details={"runs": got["prefill"]}),
         ]
     return rows
 
@@ -366,7 +362,7 @@ def format_table(rows: Sequence[Row]) -> str:
 
 def machine_line(info: dict[str, Any], ceilings: dict[str, float]) -> str:
     return (f"machine: {info['cores']} cores, {info['torch_threads']} torch threads, "
-            f"dtype {info['dtype']}, torch {info['torch']}; ceilings: "
+            f"dtype {info['dtype']}, torch {info['torch']}, load {info['load_average_1m']}; ceilings: "
             f"{ceilings['matmul_flops'] / 1e9:.0f} GFLOP/s matmul, "
             f"{ceilings['mem_read_bytes_per_s'] / 1e9:.1f} GB/s memory read")
 
@@ -376,7 +372,6 @@ def machine_line(info: dict[str, Any], ceilings: dict[str, float]) -> str:
 
 def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
     from minisgl.core import LLM
-
     from minisgl.server.cli import engine_kwargs
 
     log(f"loading minisgl ({args.model})")
@@ -384,7 +379,7 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
     systems: list[System] = [MinisglSystem(llm)]
     if args.compare == "hf":
         log("loading HF transformers model")
-        tok = llm.tokenizer
+        tok: Any = llm.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else llm.engine.model_config.eos_token_ids[0]
         systems.append(HFSystem(llm.engine.model_config.path, llm.engine.dtype, int(pad),
                                 args.hf_batch_size))

@@ -61,7 +61,7 @@ class RotaryEmbedding(nn.Module):
                 self.sin[positions].unsqueeze(1).to(dtype))
 
     @classmethod
-    def apply(cls, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    def rotate(cls, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, heads, d] and k [T, kv_heads, d] by the looked-up angles."""
         cos, sin = cos_sin
@@ -69,4 +69,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.apply(q, k, self.lookup(positions, q.dtype))
+        return self.rotate(q, k, self.lookup(positions, q.dtype))
