@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unittest
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -130,14 +131,14 @@ class CacheMachine(RuleBasedStateMachine):
     def match(self, tokens: list[int]) -> Handle:
         want, got = self.ref.match(tokens), self.cache.match(tokens)
         assert got.length == len(want) * self.PAGE_SIZE
-        assert got.pages == want
+        assert got.pages == want and handle_pages(got.handle) == want
         return got.handle
 
     def evict(self, n: int) -> None:
         want = self.ref.evict(n, self.locked())
         assert self.cache.evict(n) == len(want)
         event("evicted some pages" if want else "evicted nothing")
-        assert all(self.alloc._is_free[p] for p in want)
+        assert all(self.alloc.is_free(p) for p in want)
 
     def alloc_pages(self, n: int) -> list[int] | None:
         pages = self.alloc.alloc(n)
@@ -156,7 +157,7 @@ class CacheMachine(RuleBasedStateMachine):
         tokens, pages = req.tokens[:full * self.PAGE_SIZE], req.pages[:full]
         duplicates = self.ref.insert(tokens, pages)
         handle = self.cache.insert(tokens, pages)
-        assert all(self.alloc._is_free[p] for p in duplicates)
+        assert all(self.alloc.is_free(p) for p in duplicates)
         event("duplicate pages freed" if duplicates else "no duplicates")
         self.cache.lock(handle)
         self.cache.unlock(req.handle)
@@ -243,13 +244,13 @@ def handle_pages(handle: Handle) -> list[int]:
     return chain
 
 
-def machine_test(page_size: int, num_pages: int, max_len: int) -> type:
-    machine = type(f"CacheMachinePage{page_size}", (CacheMachine,),
-                   {"PAGE_SIZE": page_size, "NUM_PAGES": num_pages, "MAX_LEN": max_len})
-    case: type = machine.TestCase
-    case.settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
-                             derandomize=True)
-    return case
+def machine_test(page_size: int, num_pages: int, max_len: int) -> type[unittest.TestCase]:
+    @settings(max_examples=200, stateful_step_count=50, deadline=None, derandomize=True)
+    class Machine(CacheMachine):
+        PAGE_SIZE, NUM_PAGES, MAX_LEN = page_size, num_pages, max_len
+
+    Machine.__name__ = Machine.__qualname__ = f"CacheMachinePage{page_size}"
+    return Machine.TestCase
 
 
 TestRadixPage1 = machine_test(page_size=1, num_pages=16, max_len=10)
@@ -285,7 +286,7 @@ def test_split_inside_a_node_at_a_page_boundary() -> None:
     assert (m.pages, m.length) == ([a], 2)
     d = put(cache, alloc, [1, 2, 3, 4, 7, 8])
     assert cache.total_pages == 4 and cache.match([1, 2, 3, 4, 7, 8]).pages == [a, b, d[2]]
-    assert alloc._is_free[d[0]] and alloc._is_free[d[1]]  # duplicates went back to the pool
+    assert alloc.is_free(d[0]) and alloc.is_free(d[1])  # duplicates went back to the pool
     cache.check_integrity()
 
 
@@ -339,12 +340,24 @@ def test_least_recently_used_leaf_goes_first() -> None:
     assert cache.evict(3) == 3 and cache.match([3, 3]).length == 0
 
 
+def test_a_partly_evicted_leaf_keeps_its_age() -> None:
+    cache, alloc = radix(page_size=1)
+    put(cache, alloc, [5, 5])
+    m = cache.match([5, 5])
+    cache.lock(m.handle)
+    put(cache, alloc, [1, 1, 1])  # younger than [5, 5]
+    assert cache.evict(1) == 1  # only [1, 1, 1] is unlocked: its last page goes
+    cache.unlock(m.handle)
+    assert cache.evict(2) == 2  # [5, 5] is now the oldest leaf
+    assert cache.match([5, 5]).length == 0 and cache.match([1, 1]).length == 2
+
+
 def test_eviction_with_pages_larger_than_one_frees_whole_pages() -> None:
     cache, alloc = radix(page_size=4)
     pages = put(cache, alloc, list(range(12)))
     free = alloc.num_free
     assert cache.evict(1) == 1 and alloc.num_free == free + 1
-    assert alloc._is_free[pages[2]]
+    assert alloc.is_free(pages[2])
     assert cache.match(list(range(12))).pages == pages[:2]
     assert cache.evict(0) == 0
     cache.check_integrity()
@@ -444,7 +457,7 @@ def test_naive_cache_reuses_nothing() -> None:
     cache = make_prefix_cache("naive", alloc, 2)
     assert isinstance(cache, NaiveCache)
     pages = put(cache, alloc, [1, 2, 3, 4])
-    assert all(alloc._is_free[p] for p in pages) and alloc.num_free == alloc.capacity
+    assert all(alloc.is_free(p) for p in pages) and alloc.num_free == alloc.capacity
     m = cache.match([1, 2, 3, 4])
     assert (m.pages, m.length) == ([], 0)
     cache.lock(m.handle)

@@ -49,6 +49,13 @@ class PageAllocator:
     def capacity(self) -> int:
         return self.num_pages - 1
 
+    def is_free(self, page: int) -> bool:
+        return self._is_free[page]
+
+    def free_pages(self) -> list[int]:
+        """A copy of the free list (duplicates kept, so integrity checks can see a double free)."""
+        return list(self._free)
+
     def alloc(self, n: int) -> list[int] | None:
         """``n`` pages, or None (and nothing taken) when fewer are free."""
         if n > len(self._free):

@@ -42,11 +42,6 @@ class MatchResult:
     handle: Handle
 
 
-def _free_pages(allocator: PageAllocator) -> list[int]:
-    # Read-only peek at the free list (no public accessor yet); duplicates in it must show up.
-    return list(allocator._free)
-
-
 class PrefixCache(abc.ABC):
     """Owns the KV pages of cached token prefixes; see the module docstring."""
 
@@ -138,7 +133,7 @@ class PrefixCache(abc.ABC):
             assert page not in owner, f"page {page} is {who} and also {owner[page]}"
             owner[page] = who
 
-        for p in _free_pages(self.allocator):
+        for p in self.allocator.free_pages():
             claim(p, "free")
         for p in held:
             claim(p, "held by a request")
@@ -160,7 +155,7 @@ class PrefixCache(abc.ABC):
         for first, child in node.children.items():
             assert child.parent is node, f"node {child.uid} is listed under {name}, not its parent"
             assert child.key[:size] == first, f"node {child.uid} is filed under a wrong first page"
-            assert node is self._root or node.ref >= child.ref, \
+            assert node.ref >= child.ref, \
                 f"{name} has ref {node.ref} below its child {child.uid}'s {child.ref}"
         if node is self._root:
             assert not node.key and not node.pages and node.parent is None, "root is not empty"
