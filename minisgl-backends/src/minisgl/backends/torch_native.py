@@ -32,6 +32,17 @@ class TorchNativeMeta:
     out_index: torch.Tensor  # [T] row of the padded [B * Lq] output holding each token
 
 
+def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """rows [N, heads, D] picked by index [B, L] -> contiguous [B, heads, L, D].
+
+    index_select on the flattened rows is ~4x faster than advanced indexing on CPU, and matmul
+    on a contiguous result is ~9x faster than on the transposed view (measured on 2 cores).
+    """
+    n, heads, d = rows.shape
+    picked = rows.reshape(n, heads * d).index_select(0, index.flatten())
+    return picked.view(*index.shape, heads, d).transpose(1, 2).contiguous()
+
+
 class TorchNativeBackend(AttentionBackend):
     def prepare(self, layout: BatchLayout) -> TorchNativeMeta:
         dev = self.device
@@ -65,11 +76,24 @@ class TorchNativeBackend(AttentionBackend):
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
         k_cache.index_copy_(0, meta.out_loc, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.out_loc, v.to(v_cache.dtype))
+        kp, vp = _gather(k_cache, meta.kv_slots), _gather(v_cache, meta.kv_slots)
+        if meta.q_index.shape[1] == 1:  # decode: one query per request, already in order
+            return self._decode(q, kp, vp, meta.mask)
         b, lq = meta.q_index.shape
-        qp = q[meta.q_index].transpose(1, 2)  # [B, H, Lq, D]
-        kp = k_cache[meta.kv_slots].transpose(1, 2)  # [B, KVH, Lk, D]
-        vp = v_cache[meta.kv_slots].transpose(1, 2)
+        qp = _gather(q, meta.q_index)  # [B, H, Lq, D]
         out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask, scale=self.scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         out = out.transpose(1, 2).reshape(b * lq, self.num_heads * self.head_dim)
-        return out[meta.out_index]
+        return out.index_select(0, meta.out_index)
+
+    def _decode(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, mask: torch.Tensor
+                ) -> torch.Tensor:
+        # Two batched matmuls with the query heads of each KV head grouped together: on CPU this
+        # is ~20x faster than bf16 scaled_dot_product_attention for a single query (measured:
+        # 0.37 vs 7 ms for 16 requests x 576 keys), and KV heads are never repeated in memory.
+        b, kvh = q.shape[0], self.num_kv_heads
+        qg = q.view(b, kvh, self.num_heads // kvh, self.head_dim)
+        scores = torch.matmul(qg, kp.transpose(-1, -2)).float() * self.scale  # [B, KVH, G, Lk]
+        scores = scores.masked_fill(~mask.view(b, 1, 1, -1), float("-inf"))
+        out = torch.matmul(scores.softmax(-1).to(vp.dtype), vp)  # [B, KVH, G, D]
+        return out.reshape(b, self.num_heads * self.head_dim)
