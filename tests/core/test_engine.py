@@ -17,7 +17,12 @@ PROMPTS = [[5, 9, 17, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7], [100, 3, 60
 
 
 def all_free(llm: LLM) -> bool:
+    """Nothing running; every page is free once the prefix cache is cleared."""
     e = llm.engine
+    llm.scheduler.check_integrity()
+    if e.allocator.num_free + llm.scheduler.cache.total_pages != e.allocator.capacity:
+        return False
+    llm.scheduler.clear_cache()
     return (e.allocator.num_free == e.allocator.capacity
             and e.table.num_free == llm.config.max_running_requests
             and not llm.scheduler.has_work())

@@ -83,7 +83,7 @@ def test_builtins_and_fixture_register_through_entry_points() -> None:
         assert info.package == package and info.version == "0.1.0"
     assert pm.plugins["models"].registers["models"] == ["LlamaForCausalLM", "Qwen3ForCausalLM"]
     assert pm.plugins["backends"].registers == {"attention_backends": ["torch"]}
-    assert pm.plugins["core"].registers == {"samplers": ["default"], "schedulers": ["fcfs"]}
+    assert pm.plugins["core"].registers == {"samplers": ["default"], "schedulers": ["fcfs", "lpm"]}
     assert pm.plugins["fixture"].registers == {"models": ["FixtureLlamaForCausalLM"],
                                                "samplers": ["fixture-lowest"]}
     owner = {e.name: (e.plugin, e.package) for e in pm.models.entries()}
@@ -396,7 +396,7 @@ EXTRA_SRC = HOOK + """
 from minisgl.core.policy import SchedulePolicy
 
 class NewestFirst(SchedulePolicy):
-    def order(self, waiting):
+    def order(self, waiting, cache):
         return sorted(waiting, key=lambda r: -r.rid)
 
 @hookimpl
@@ -440,7 +440,7 @@ def test_third_party_plugin_implementing_every_hook(fake_dist: FakeDist, tmp_pat
     assert type(engine.sampler) is TorchSampler
     policy = pm.schedulers.get("fake-newest")(config)
     reqs = [Req([3], SamplingParams()) for _ in range(3)]
-    assert policy.order(reqs) == reqs[::-1]
+    assert policy.order(reqs, None) == reqs[::-1]
 
 
 def test_every_hookspec_is_tested() -> None:

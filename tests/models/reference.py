@@ -112,13 +112,16 @@ def make_engine(path: str | Path, backend: str, **kw: Any) -> Engine:
 
 
 def assert_all_free(engine: Engine, scheduler: Scheduler | None = None) -> None:
-    """Every KV page and every table row is back in its free list."""
+    """Every KV page and every table row is back in its free list (after clearing the cache)."""
+    if scheduler is not None:
+        assert not scheduler.has_work()
+        scheduler.check_integrity()  # the only pages in use are the ones the cache owns
+        assert engine.allocator.num_free + scheduler.cache.total_pages == engine.allocator.capacity
+        scheduler.clear_cache()
     assert engine.allocator.num_free == engine.allocator.capacity, (
         f"{engine.allocator.capacity - engine.allocator.num_free} KV pages still allocated")
     assert engine.table.num_free == engine.config.max_running_requests, (
         f"{engine.config.max_running_requests - engine.table.num_free} table rows still held")
-    if scheduler is not None:
-        assert not scheduler.has_work()
 
 
 def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> None:

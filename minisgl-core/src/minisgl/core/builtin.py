@@ -14,3 +14,4 @@ def minisgl_register_samplers(registry: Registry) -> None:
 @hookimpl
 def minisgl_register_schedulers(registry: Registry) -> None:
     registry.register("fcfs", "minisgl.core.policy:FCFSPolicy")
+    registry.register("lpm", "minisgl.core.policy:LongestPrefixMatchPolicy")

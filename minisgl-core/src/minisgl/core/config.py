@@ -124,6 +124,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     sampler: str = "default"
     schedule_policy: str = "fcfs"
+    cache: str = "radix"  # prefix cache: "radix" (reuse shared prefixes) or "naive" (none)
     page_size: int = 16
     num_pages: int | None = None  # explicit pool size; overrides kv_cache_memory
     kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers
@@ -137,6 +138,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         checks = [
             ("page_size", self.page_size >= 1, "must be >= 1"),
+            ("cache", self.cache in ("radix", "naive"), "must be 'radix' or 'naive'"),
             ("num_pages", self.num_pages is None or self.num_pages >= 1, "must be >= 1"),
             ("kv_cache_memory", self.kv_cache_memory > 0, "must be > 0 bytes"),
             ("max_running_requests", self.max_running_requests >= 1, "must be >= 1"),

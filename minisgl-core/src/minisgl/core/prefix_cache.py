@@ -43,6 +43,7 @@ class MatchResult:
 
 
 class PrefixCache(abc.ABC):
+    reuses = True  # False: inserting frees the pages (no reuse), so never insert a live prefix
     """Owns the KV pages of cached token prefixes; see the module docstring."""
 
     def __init__(self, allocator: PageAllocator, page_size: int) -> None:
@@ -264,6 +265,7 @@ class RadixCache(PrefixCache):
 
 
 class NaiveCache(PrefixCache):
+    reuses = False
     """No reuse: nothing is ever cached; inserted pages go straight back to the allocator."""
 
     def match(self, tokens: Sequence[int]) -> MatchResult:

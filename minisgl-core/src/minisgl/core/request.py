@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,7 +34,11 @@ class Req:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_computed: int = 0  # tokens whose K/V are in the cache
     table_row: int = -1  # row of the req -> token-slot table, -1 when not held
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # KV pages covering all_ids, in order
+    num_shared: int = 0  # leading pages owned by the prefix cache (locked through `handle`)
+    handle: Any = None  # locked prefix-cache node
+    prefill_target: int = 0  # prefill computes all_ids[:prefill_target] (set at admission)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     generator: torch.Generator | None = None
 
     @property
@@ -50,8 +55,11 @@ class Req:
 
     @property
     def in_prefill(self) -> bool:
-        """True until the whole prompt is in the cache (chunked prefill may take several steps)."""
-        return self.num_computed < len(self.prompt_ids)
+        """True until the prefill target is computed (chunked prefill may take several steps).
+
+        The target is the whole prompt, or prompt + output so far for a retracted request that
+        is resumed."""
+        return self.num_computed < self.prefill_target
 
     @property
     def finished(self) -> bool:
