@@ -132,6 +132,8 @@ def test_abort_frees_pages(llm: LLM) -> None:
     for r in reqs:
         assert sched.abort(r.rid) is r
         assert r.finish_reason == "abort"
+        assert all(t >= 0 for t in r.output_ids)  # no placeholder of an in-flight step left
+    assert sched.drain() == []  # an in-flight step's tokens for aborted requests are dropped
     assert all_free(llm)
 
 

@@ -135,28 +135,31 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> None:
 @contextlib.contextmanager
 def record_logits(engine: Engine) -> Iterator[list[tuple[list[int], torch.Tensor]]]:
     """Record (token ids the logits condition on, logits row) for every sampled row of every step
-    the scheduler runs through ``engine.step`` (prefill, chunked prefill and decode alike)."""
+    the scheduler runs (prefill, chunked prefill and decode alike; with or without overlap)."""
     records: list[tuple[list[int], torch.Tensor]] = []
-    pending: list[list[int]] = []
-    orig_step, orig_forward = engine.step, engine.forward
+    pending: dict[int, list[list[int]]] = {}  # id(ForwardInputs) -> conditioning ids per row
+    orig_prepare, orig_forward = engine.prepare, engine.forward
 
-    def step(batch: Batch) -> Any:
-        pending[:] = [r.all_ids[: r.num_computed + n]
-                      for r, n, s in zip(batch.reqs, batch.extend_lens, batch.sample) if s]
-        return orig_step(batch)
+    def prepare(batch: Batch) -> Any:
+        inputs = orig_prepare(batch)
+        pending[id(inputs)] = [r.all_ids[: r.num_computed + n]
+                               for r, n, s in zip(batch.reqs, batch.extend_lens, batch.sample) if s]
+        return inputs
 
     def forward(inputs: Any) -> torch.Tensor:
         logits = orig_forward(inputs)
-        assert logits.shape[0] == len(pending), "logits rows != sampled requests of the batch"
-        records.extend(zip(list(pending), logits.detach().clone()))
-        pending.clear()
+        rows = pending.pop(id(inputs))
+        assert logits.shape[0] == len(rows), "logits rows != sampled requests of the batch"
+        # overlap scheduling: tokens of the previous step are placeholders until it is collected
+        rows = [[t if t >= 0 else engine.resolve(t) for t in ids] for ids in rows]
+        records.extend(zip(rows, logits.detach().clone()))
         return logits
 
-    engine.step, engine.forward = step, forward  # type: ignore[method-assign]
+    engine.prepare, engine.forward = prepare, forward  # type: ignore[method-assign]
     try:
         yield records
     finally:
-        del engine.step, engine.forward  # back to the class methods
+        del engine.prepare, engine.forward  # back to the class methods
 
 
 def submit(scheduler: Scheduler, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

@@ -125,6 +125,7 @@ class EngineConfig:
     sampler: str = "default"
     schedule_policy: str = "fcfs"
     cache: str = "radix"  # prefix cache: "radix" (reuse shared prefixes) or "naive" (none)
+    overlap: bool = True  # build step N+1 on the CPU while step N runs (worker thread)
     page_size: int = 16
     num_pages: int | None = None  # explicit pool size; overrides kv_cache_memory
     kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers

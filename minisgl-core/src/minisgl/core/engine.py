@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -14,7 +15,7 @@ from minisgl.core.distributed import Communicator
 from minisgl.core.kvcache import KVPool, PageAllocator, ReqToTokenTable
 from minisgl.core.model import CausalLM
 from minisgl.core.plugins import PluginManager, get_plugin_manager
-from minisgl.core.request import Batch
+from minisgl.core.request import Batch, Req
 from minisgl.core.sampling import SampleOutput, Sampler
 from minisgl.core.weights import iter_weights
 
@@ -31,10 +32,11 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 @dataclass
 class ForwardInputs:
-    input_ids: torch.Tensor  # [T]
+    input_ids: torch.Tensor  # [T]; negative ids are placeholders: -1 - (future-buffer slot)
     positions: torch.Tensor  # [T]
     layout: BatchLayout
     logits_indices: torch.Tensor  # [N] rows of the hidden states whose logits are sampled
+    meta: Any = None  # the backend's metadata, built on the scheduler thread (overlap)
 
 
 class Engine:
@@ -71,6 +73,11 @@ class Engine:
             self.kv, mc.num_heads // tp, kv_heads, mc.head_dim, mc.head_dim ** -0.5, self.device)
         sampler_cls = pm.samplers.get(config.sampler)
         self.sampler: Sampler = sampler_cls(mc.vocab_size, self.device)
+        # Sampled tokens land here too, so a step launched before the previous one finished
+        # (overlap scheduling) can read its input tokens by slot. Slots are reused round-robin.
+        self.future = torch.zeros(4 * config.max_running_requests + 8, dtype=torch.int64,
+                                  device=self.device)
+        self._next_future = 0
 
     def prepare(self, batch: Batch) -> ForwardInputs:
         """Flatten the batch (no padding) and build the attention layout for it."""
@@ -92,20 +99,46 @@ class Engine:
         layout = BatchLayout(batch.phase, list(batch.extend_lens), kv_lens, rows,
                              self.table.table, out_loc)
         return ForwardInputs(torch.tensor(ids, dtype=torch.int64, device=self.device),
-                             pos.to(self.device), layout, logits_indices.to(self.device))
+                             pos.to(self.device), layout, logits_indices.to(self.device),
+                             self.backend.prepare(layout))
 
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
         """Float32 logits [N, vocab] for the sampled rows of the batch."""
-        ctx = ForwardContext(self.backend, self.backend.prepare(inputs.layout))
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        ids = inputs.input_ids
+        ids = torch.where(ids >= 0, ids, self.future[(-1 - ids).clamp(min=0)])
+        meta = inputs.meta if inputs.meta is not None else self.backend.prepare(inputs.layout)
+        hidden = self.model(ids, inputs.positions, ForwardContext(self.backend, meta))
         return self.model.compute_logits(hidden[inputs.logits_indices]).float()
 
-    def step(self, batch: Batch) -> SampleOutput | None:
-        """Run one batch; tokens for the requests whose ``sample`` flag is set (None if none)."""
-        logits = self.forward(self.prepare(batch))
+    def take_future_slots(self, n: int) -> list[int]:
+        """``n`` slots of the future buffer; at most two steps are in flight, so the ring (4x the
+        largest batch) never hands out a slot whose token is still unread."""
+        size = self.future.numel()
+        slots = [(self._next_future + i) % size for i in range(n)]
+        self._next_future = (self._next_future + n) % size
+        return slots
+
+    def resolve(self, placeholder: int) -> int:
+        return int(self.future[-1 - placeholder])
+
+    @torch.inference_mode()
+    def run(self, inputs: ForwardInputs, sample_reqs: list[Req], future_slots: list[int]
+            ) -> SampleOutput | None:
+        """Forward + sample; the tokens also go to ``future_slots`` of the future buffer.
+
+        May run on a worker thread: it touches no scheduler state, only its arguments.
+        """
+        logits = self.forward(inputs)
         if logits.shape[0] == 0:
             return None
+        views = [r.sampling_view(self.resolve) if r.params.has_penalties else r
+                 for r in sample_reqs]
+        out = self.sampler.sample(logits, views)
+        self.future[torch.tensor(future_slots, device=self.device)] = out.tokens.to(self.device)
+        return out
+
+    def step(self, batch: Batch) -> SampleOutput | None:
+        """Run one batch synchronously; tokens for the requests whose ``sample`` flag is set."""
         reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
-        with torch.inference_mode():
-            return self.sampler.sample(logits, reqs)
+        return self.run(self.prepare(batch), reqs, self.take_future_slots(len(reqs)))

@@ -91,9 +91,11 @@ class LLM:
                         pending.discard(req.rid)
                 if not self.scheduler.has_work() and pending:
                     raise RuntimeError("scheduler went idle with requests still pending")
+            self.scheduler.drain()  # a step may still run for requests that already finished
         except BaseException:
             for rid in pending:  # Ctrl-C or an error: free what the unfinished requests hold
                 self.scheduler.abort(rid)
+            self.scheduler.drain()
             raise
 
     def _output(self, req: Req, prompt: Prompt) -> RequestOutput:

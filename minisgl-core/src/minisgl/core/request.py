@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,14 +66,19 @@ class Req:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def check_stop(self) -> None:
-        """Set ``finish_reason`` after a token was appended."""
-        last = self.output_ids[-1]
-        p = self.params
-        if last in p.stop_token_ids or (not p.ignore_eos and last in self.eos_token_ids):
+    def check_stop(self, pos: int, max_model_len: int) -> None:
+        """Set ``finish_reason`` if output token number ``pos`` (resolved) ends the request."""
+        token, p = self.output_ids[pos], self.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             self.finish_reason = "stop"
-        elif len(self.output_ids) >= p.max_tokens:
+        elif pos + 1 >= p.max_tokens or len(self.prompt_ids) + pos + 1 >= max_model_len:
             self.finish_reason = "length"
+
+    def sampling_view(self, resolve: Callable[[int], int]) -> Req:
+        """A copy for the sampler with placeholder output ids (overlap scheduling) resolved."""
+        outs = [t if t >= 0 else resolve(t) for t in self.output_ids]
+        return Req(self.prompt_ids, self.params, self.eos_token_ids, rid=self.rid,
+                   output_ids=outs, generator=self.generator)
 
 
 @dataclass
@@ -88,6 +94,10 @@ class Batch:
     reqs: list[Req]
     extend_lens: list[int]
     sample: list[bool]
+    # filled at launch: output position and future-buffer slot of each sampled request's token
+    out_pos: list[int] = field(default_factory=list)
+    future_slots: list[int] = field(default_factory=list)
+    release_after: list[Req] = field(default_factory=list)  # finished while this step ran
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,8 @@ later a server process) calls it in a loop and feeds new requests in between.
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +17,7 @@ from minisgl.core.kv_manager import KVManager
 from minisgl.core.policy import SchedulePolicy
 from minisgl.core.prefix_cache import make_prefix_cache
 from minisgl.core.request import Batch, Req, Status
+from minisgl.core.sampling import SampleOutput
 
 
 @dataclass
@@ -46,6 +49,9 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted: prefilling (maybe chunked) or decoding
         self.stats = SchedulerStats()
+        self._inflight: deque[tuple[Batch, Future[SampleOutput | None]]] = deque()
+        # one worker thread runs the forward of step N while this thread builds step N+1
+        self._executor = ThreadPoolExecutor(1, "minisgl-forward") if cfg.overlap else None
         self._last_was_prefill = False
         self._seed_counter = 0
 
@@ -90,7 +96,7 @@ class Scheduler:
         return None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._inflight)
 
     def check_integrity(self) -> None:
         """Every KV page is free, held by exactly one running request, or owned by the cache."""
@@ -107,8 +113,20 @@ class Scheduler:
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
-        self.kv.release(req)
         req.status = Status.FINISHED
+        if req.output_ids and req.output_ids[-1] < 0:  # aborted with a token still in flight
+            cut = next(i for i, t in enumerate(req.output_ids) if t < 0)
+            del req.output_ids[cut:], req.output_logprobs[cut:]
+        self._release_when_idle(req)
+
+    def _release_when_idle(self, req: Req) -> None:
+        """Free ``req``'s pages and table row, but never while a step in flight still writes
+        them: then the release waits for that step to be collected."""
+        for batch, _ in self._inflight:
+            if req in batch.reqs:
+                batch.release_after.append(req)
+                return
+        self.kv.release(req)
 
     def _retract(self, req: Req) -> None:
         """Preempt a running request: its computed prefix stays cached, it waits to resume."""
@@ -185,8 +203,13 @@ class Scheduler:
         sample = [r.num_computed + n == r.prefill_target for r, n in zip(reqs, lens)]
         return Batch("prefill", reqs, lens, sample)
 
+    def _wants_token(self, req: Req) -> bool:
+        """Decodable and not already at a length limit (counting tokens still in flight)."""
+        return (not req.in_prefill and len(req.output_ids) < req.params.max_tokens
+                and req.seq_len < self.engine.max_model_len)
+
     def _schedule_decode(self) -> Batch | None:
-        reqs = [r for r in self.running if not r.in_prefill]
+        reqs = [r for r in self.running if self._wants_token(r)]
         for req in list(reqs):
             while req in reqs and not self.kv.grow(req, req.num_computed + 1):
                 # out of KV: preempt the request that has made the least progress
@@ -201,7 +224,7 @@ class Scheduler:
     def next_batch(self) -> Batch | None:
         # Alternate with decode after a prefill step so a long (chunked) prompt never stalls
         # running requests for more than one chunk.
-        decode_first = self._last_was_prefill and any(not r.in_prefill for r in self.running)
+        decode_first = self._last_was_prefill and any(self._wants_token(r) for r in self.running)
         order = (self._schedule_decode, self._schedule_prefill) if decode_first else (
             self._schedule_prefill, self._schedule_decode)
         for make in order:
@@ -212,33 +235,74 @@ class Scheduler:
         return None
 
     # -- the loop ----------------------------------------------------------------------------
+    # A step is launched (inputs built, state advanced, sampled tokens entered as placeholders)
+    # and later collected (placeholders replaced, stops checked). Without overlap a step is
+    # collected right away; with overlap the next step is built and launched while the previous
+    # one still runs on the worker thread, and is collected after.
     def step(self) -> list[Req]:
-        """One forward step. Returns requests that got a token or finished this step."""
+        """One scheduling step. Returns requests that got a token or finished."""
         batch = self.next_batch()
-        if batch is None:
+        if batch is not None:
+            self._launch(batch)
+        if not self._inflight:
             return []
-        out = self.engine.step(batch)
-        return self.process(batch, out.tokens.tolist() if out else [],
-                            out.logprobs.tolist() if out else [])
+        if self._executor is not None and batch is not None and len(self._inflight) < 2:
+            return []  # pipeline filling: this step's results are collected next time
+        return self._collect()
 
-    def process(self, batch: Batch, tokens: list[int], logprobs: list[float]) -> list[Req]:
-        """Apply a step's results: advance, append sampled tokens, finish, cache prefixes."""
-        changed: list[Req] = []
-        k = 0
+    def _launch(self, batch: Batch) -> None:
+        engine = self.engine
+        inputs = engine.prepare(batch)  # reads output ids as they are now, placeholders included
+        sample_reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
+        batch.future_slots = engine.take_future_slots(len(sample_reqs))
         self.stats.computed_tokens += batch.num_tokens
-        for req, n, sample in zip(batch.reqs, batch.extend_lens, batch.sample):
-            req.num_computed += n
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            req.num_computed += n  # K/V for these tokens is being written by this step
             if batch.phase == "prefill":
-                self.kv.cache_prefix(req)  # later requests (even in the next step) can reuse it
-            if not sample:
+                # Cache the prefix now, so the next step (built while this one runs) can reuse
+                # it: every step that reads these pages runs after this one on the same worker.
+                self.kv.cache_prefix(req)
+        for req, slot in zip(sample_reqs, batch.future_slots):
+            batch.out_pos.append(len(req.output_ids))
+            req.output_ids.append(-1 - slot)
+            req.output_logprobs.append(0.0)
+        if self._executor is None:
+            fut: Future[SampleOutput | None] = Future()
+            fut.set_result(engine.run(inputs, sample_reqs, batch.future_slots))
+        else:
+            fut = self._executor.submit(engine.run, inputs, sample_reqs, batch.future_slots)
+        self._inflight.append((batch, fut))
+
+    def _collect(self) -> list[Req]:
+        batch, fut = self._inflight.popleft()
+        out = fut.result()
+        tokens = out.tokens.tolist() if out is not None else []
+        logprobs = out.logprobs.tolist() if out is not None else []
+        changed: list[Req] = []
+        sampled = [r for r, s in zip(batch.reqs, batch.sample) if s]
+        for req, pos, token, logprob in zip(sampled, batch.out_pos, tokens, logprobs):
+            if req.finished:  # finished (or aborted) while this step ran: drop its token
                 continue
-            req.output_ids.append(tokens[k])
-            req.output_logprobs.append(logprobs[k])
-            k += 1
-            req.check_stop()
-            if req.finish_reason is None and req.seq_len >= self.engine.max_model_len:
-                req.finish_reason = "length"
+            req.output_ids[pos] = token
+            req.output_logprobs[pos] = logprob
+            req.check_stop(pos, self.engine.max_model_len)
             if req.finish_reason is not None:
+                del req.output_ids[pos + 1:], req.output_logprobs[pos + 1:]
                 self._finish(req)
             changed.append(req)
+        for req in batch.release_after:
+            self._release_when_idle(req)
         return changed
+
+    def drain(self) -> list[Req]:
+        """Collect every step still in flight."""
+        changed: list[Req] = []
+        while self._inflight:
+            changed.extend(self._collect())
+        return changed
+
+    def close(self) -> None:
+        self.drain()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None

@@ -184,7 +184,7 @@ class MinisglSystem:
         self.llm = llm
 
     def warmup(self, ids: Sequence[int]) -> None:
-        rng = random.Random(1)
+        rng = random.Random("warmup")  # prompts unrelated to any measured one
         prompts = [random_prompt(rng, ids, n) for n in (32, 48)]
         self.run_offline(Workload("warmup", prompts, [8, 8]))
         self.run_single(random_prompt(rng, ids, 16), 4)
@@ -200,7 +200,9 @@ class MinisglSystem:
         return sum(len(o.token_ids) for o in outs), elapsed
 
     def run_single(self, prompt: list[int], n_out: int) -> Timing:
-        """Drive the scheduler directly so the first token's time is visible."""
+        """Drive the scheduler directly so the first token's time is visible. A request counts as
+        having its first token when a step reports it changed (with overlap scheduling a token
+        is a placeholder until its step is collected)."""
         from minisgl.core import SamplingParams
         from minisgl.core.request import Req
 
@@ -211,12 +213,15 @@ class MinisglSystem:
         sched.add(req)
         ttft: float | None = None
         while not req.finished:
-            sched.step()
-            if ttft is None and req.output_ids:
+            changed = sched.step()
+            if ttft is None and req in changed:
                 ttft = time.perf_counter() - t0
+            if not changed and not sched.has_work():
+                raise RuntimeError("scheduler went idle before the request finished")
         total = time.perf_counter() - t0
-        assert ttft is not None
-        return Timing(ttft, total, len(req.output_ids))
+        if hasattr(sched, "drain"):
+            sched.drain()  # a step may still be in flight for the finished request
+        return Timing(ttft if ttft is not None else total, total, len(req.output_ids))
 
 
 class _TokenClock:
@@ -243,7 +248,7 @@ class HFSystem:
         self.pad_id, self.batch_size = pad_id, batch_size
 
     def warmup(self, ids: Sequence[int]) -> None:
-        rng = random.Random(1)
+        rng = random.Random("warmup")  # prompts unrelated to any measured one
         prompts = [random_prompt(rng, ids, n) for n in (32, 48)]
         self.run_offline(Workload("warmup", prompts, [8, 8]))
         self.run_single(random_prompt(rng, ids, 16), 4)
@@ -289,33 +294,37 @@ class HFSystem:
 # ---------------------------------------------------------------------------- runs
 
 
-def bench_offline(systems: Sequence[System], wl: Workload, repeats: int,
-                  cost: ModelCost, ceilings: dict[str, float]) -> list[Row]:
-    total_out = sum(wl.output_lens)
-    flops = sum(cost.request_flops(len(p), n) for p, n in zip(wl.prompts, wl.output_lens))
-    ceiling = total_out / (flops / ceilings["matmul_flops"])  # all FLOPs at matmul peak
+def bench_offline(systems: Sequence[System], ids: Sequence[int], num_requests: int, scale: float,
+                  repeats: int, seed: int, cost: ModelCost, ceilings: dict[str, float]) -> list[Row]:
+    """Repeat r uses seed + r: fresh prompts, so a prefix cache never turns a repeat into hits."""
     runs: dict[str, list[dict[str, float]]] = {s.name: [] for s in systems}
+    ceilings_tok_s: list[float] = []
     for r in range(repeats):  # systems interleaved within each repeat: they share the noise
+        wl = offline_mixed(ids, num_requests, scale, seed + r)
+        total_out = sum(wl.output_lens)
+        flops = sum(cost.request_flops(len(p), n) for p, n in zip(wl.prompts, wl.output_lens))
+        ceilings_tok_s.append(total_out / (flops / ceilings["matmul_flops"]))  # FLOPs at peak
         for s in systems:
             log(f"offline-mixed: {s.name} run {r + 1}/{repeats} ({len(wl.prompts)} requests, "
                 f"{sum(len(p) for p in wl.prompts)} prompt + {total_out} output tokens)")
             tokens, secs = s.run_offline(wl)
             runs[s.name].append({"tokens": tokens, "seconds": secs, "tok_s": tokens / secs})
             log(f"offline-mixed: {s.name} {tokens} tokens in {secs:.2f} s = {tokens / secs:.1f} tok/s")
-    return [Row(wl.name, name, "output tok/s", statistics.median(x["tok_s"] for x in rs), True,
-                ceiling=ceiling, details={"runs": rs}) for name, rs in runs.items()]
+    ceiling = statistics.median(ceilings_tok_s)
+    return [Row("offline-mixed", name, "output tok/s", statistics.median(x["tok_s"] for x in rs),
+                True, ceiling=ceiling, details={"runs": rs}) for name, rs in runs.items()]
 
 
 def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, repeats: int,
                   seed: int, cost: ModelCost, ceilings: dict[str, float]) -> list[Row]:
-    rng = random.Random(seed)
     plen, n_out, long_len = _scaled(128, scale), max(2, _scaled(128, scale)), _scaled(1024, scale)
-    prompt, long_prompt = random_prompt(rng, ids, plen), random_prompt(rng, ids, long_len)
     decode_ceiling_ms = cost.decode_bytes() / ceilings["mem_read_bytes_per_s"] * 1e3
     prefill_ceiling = long_len / (cost.prefill_flops(0, long_len) / ceilings["matmul_flops"])
     runs: dict[str, dict[str, list[float]]] = {
         s.name: {"decode": [], "ttft": [], "prefill": []} for s in systems}
     for r in range(repeats):  # systems interleaved within each repeat: they share the noise
+        rng = random.Random(f"latency/{seed}/{r}")  # fresh prompts per repeat: no cache hits
+        prompt, long_prompt = random_prompt(rng, ids, plen), random_prompt(rng, ids, long_len)
         for s in systems:
             log(f"latency: {s.name} run {r + 1}/{repeats}: {plen}-token prompt, {n_out} tokens; "
                 f"then a {long_len}-token prefill")
@@ -404,8 +413,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rows: list[Row] = []
     for name in workloads:
         if name == "offline-mixed":
-            wl = offline_mixed(ids, args.num_requests, args.scale, args.data_seed)
-            rows += bench_offline(systems, wl, args.repeats or 1, cost, ceilings)
+            rows += bench_offline(systems, ids, args.num_requests, args.scale, args.repeats or 1,
+                                  args.data_seed, cost, ceilings)
         else:
             rows += bench_latency(systems, ids, args.scale, args.repeats or 3, args.data_seed,
                                   cost, ceilings)
