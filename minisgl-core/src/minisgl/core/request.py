@@ -40,6 +40,7 @@ class Req:
     handle: Any = None  # locked prefix-cache node
     prefill_target: int = 0  # prefill computes all_ids[:prefill_target] (set at admission)
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    admissions: int = 0  # > 1 once a retracted request was resumed
     generator: torch.Generator | None = None
 
     @property

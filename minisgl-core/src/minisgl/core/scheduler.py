@@ -28,6 +28,10 @@ class SchedulerStats:
     retractions: int = 0
 
 
+class _NeedSync(Exception):
+    """Scheduling needs the step in flight to finish first (to retract safely)."""
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -50,6 +54,7 @@ class Scheduler:
         self.running: list[Req] = []  # admitted: prefilling (maybe chunked) or decoding
         self.stats = SchedulerStats()
         self._inflight: deque[tuple[Batch, Future[SampleOutput | None]]] = deque()
+        self._collected: list[Req] = []  # results collected early (by a sync), not yet returned
         # one worker thread runs the forward of step N while this thread builds step N+1
         self._executor = ThreadPoolExecutor(1, "minisgl-forward") if cfg.overlap else None
         self._last_was_prefill = False
@@ -100,7 +105,8 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Every KV page is free, held by exactly one running request, or owned by the cache."""
-        self.cache.check_integrity(self.kv.held_pages(self.running))
+        pending = [r for batch, _ in self._inflight for r in batch.release_after]
+        self.cache.check_integrity(self.kv.held_pages(self.running + pending))
 
     def clear_cache(self) -> None:
         """Free every page the prefix cache holds (only while nothing runs)."""
@@ -152,7 +158,8 @@ class Scheduler:
             self.kv.release(req)
             req.num_computed = 0
             return 0
-        if req.cached_tokens == 0 and not req.output_ids:  # first admission: account the prompt
+        req.admissions += 1
+        if req.admissions == 1:  # not a resumed (retracted) request: account the prompt once
             req.cached_tokens = req.num_computed
             self.stats.prompt_tokens += len(req.prompt_ids)
             self.stats.cached_tokens += req.num_computed
@@ -166,11 +173,12 @@ class Scheduler:
 
         Deferring it one step lets it find that prefix in the cache instead (a burst of prompts
         with one system prompt computes the system prompt once)."""
-        if not self.cache.reuses:
+        if not self.cache.reuses or not batch:
             return False
         own = req.all_ids
-        return any(_common_prefix(own, other.all_ids) - req.num_computed >= self.config.page_size
-                   for other in batch)
+        cached = self.cache.match(own[: len(own) - 1]).length
+        return any(_common_prefix(own, other.all_ids[:other.prefill_target]) - cached
+                   >= self.config.page_size for other in batch)
 
     def _schedule_prefill(self) -> Batch | None:
         budget = self.config.max_prefill_tokens
@@ -185,16 +193,14 @@ class Scheduler:
             reqs.append(req)
             lens.append(n)
             budget -= n
-        new: list[Req] = []
         for req in self.policy.order(self.waiting, self.cache):
             if budget <= 0:
                 break
-            if self._shares_uncached_prefix(req, new):
+            if self._shares_uncached_prefix(req, reqs):
                 continue
             n = self._admit(req, budget)
             if n == 0:
                 break  # head-of-line: later requests would not fit either, keep order fair
-            new.append(req)
             reqs.append(req)
             lens.append(n)
             budget -= n
@@ -212,6 +218,8 @@ class Scheduler:
         reqs = [r for r in self.running if self._wants_token(r)]
         for req in list(reqs):
             while req in reqs and not self.kv.grow(req, req.num_computed + 1):
+                if self._inflight:  # retract only with nothing in flight (see _NeedSync)
+                    raise _NeedSync
                 # out of KV: preempt the request that has made the least progress
                 victim = min(self.running, key=lambda r: (len(r.output_ids), -r.rid))
                 if victim is req and len(self.running) == 1:
@@ -228,7 +236,13 @@ class Scheduler:
         order = (self._schedule_decode, self._schedule_prefill) if decode_first else (
             self._schedule_prefill, self._schedule_decode)
         for make in order:
-            batch = make()
+            try:
+                batch = make()
+            except _NeedSync:
+                # Retraction frees pages that a step in flight may still write: finish that step
+                # first (its results are returned with this step's), then schedule again.
+                self._collected.extend(self.drain())
+                return self.next_batch()
             if batch is not None:
                 self._last_was_prefill = batch.phase == "prefill"
                 return batch
@@ -244,11 +258,12 @@ class Scheduler:
         batch = self.next_batch()
         if batch is not None:
             self._launch(batch)
+        changed, self._collected = self._collected, []
         if not self._inflight:
-            return []
+            return changed
         if self._executor is not None and batch is not None and len(self._inflight) < 2:
-            return []  # pipeline filling: this step's results are collected next time
-        return self._collect()
+            return changed  # pipeline filling: this step's results are collected next time
+        return changed + self._collect()
 
     def _launch(self, batch: Batch) -> None:
         engine = self.engine
