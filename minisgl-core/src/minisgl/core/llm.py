@@ -28,6 +28,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str  # "stop" | "length" | "abort"
     logprobs: list[float] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 class LLM:
@@ -103,9 +104,19 @@ class LLM:
             req.output_ids, skip_special_tokens=True))
         return RequestOutput(prompt if isinstance(prompt, str) else None, req.prompt_ids, text,
                              list(req.output_ids), req.finish_reason or "abort",
-                             list(req.output_logprobs))
+                             list(req.output_logprobs), req.cached_tokens)
 
     # -- public API --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the forward worker thread (overlap scheduling). The LLM is unusable after."""
+        self.scheduler.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:

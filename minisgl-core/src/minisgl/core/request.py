@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch

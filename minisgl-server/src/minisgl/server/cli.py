@@ -19,7 +19,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=defaults["device"])
     p.add_argument("--attention-backend", default=defaults["attention_backend"])
     p.add_argument("--sampler", default=defaults["sampler"])
-    p.add_argument("--schedule-policy", default=defaults["schedule_policy"])
+    p.add_argument("--schedule-policy", default=defaults["schedule_policy"],
+                   help="batching policy plugin: fcfs, lpm (longest cached prefix first), ...")
+    p.add_argument("--cache", default=defaults["cache"], choices=["radix", "naive"],
+                   help="prefix cache: radix (reuse shared prefixes) or naive (no reuse)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=defaults["overlap"],
+                   help="build the next step on the CPU while the current one runs")
     p.add_argument("--page-size", type=int, default=defaults["page_size"])
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=defaults["kv_cache_memory"],
@@ -31,7 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ["dtype", "device", "attention_backend", "sampler", "schedule_policy", "page_size",
+    keys = ["dtype", "device", "attention_backend", "sampler", "schedule_policy", "cache",
+            "overlap", "page_size",
             "num_pages", "kv_cache_memory", "max_running_requests", "max_prefill_tokens",
             "max_model_len", "seed"]
     return {k: getattr(args, k) for k in keys}
