@@ -156,3 +156,13 @@ def test_default_dtype_is_bf16_on_cpu(tiny_llama: Path, attention_backend: str) 
 def test_unknown_option_is_rejected(tiny_llama: Path) -> None:
     with pytest.raises(TypeError, match="page_sise"):
         LLM(model=str(tiny_llama), page_sise=4)
+
+
+def test_a_stalled_scheduler_raises_instead_of_hanging(llm: LLM, monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    monkeypatch.setattr(llm.scheduler.kv, "admit", lambda req: False)  # nothing can ever start
+    with pytest.raises(RuntimeError, match="stalled"):
+        llm.generate([PROMPTS[0]], greedy(4))
+    monkeypatch.undo()
+    assert all_free(llm)  # the stuck request was aborted on the way out
+    assert llm.generate([PROMPTS[0]], greedy(2))[0].finish_reason == "length"

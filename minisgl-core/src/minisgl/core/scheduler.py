@@ -260,6 +260,12 @@ class Scheduler:
             self._launch(batch)
         changed, self._collected = self._collected, []
         if not self._inflight:
+            if batch is None and not changed and self.has_work():
+                # nothing can run and nothing is pending: fail loudly instead of spinning forever
+                raise RuntimeError(
+                    f"scheduler stalled: {len(self.waiting)} waiting, {len(self.running)} running, "
+                    f"{self.engine.allocator.num_free} free pages, "
+                    f"{self.cache.evictable_pages} evictable")
             return changed
         if self._executor is not None and batch is not None and len(self._inflight) < 2:
             return changed  # pipeline filling: this step's results are collected next time
