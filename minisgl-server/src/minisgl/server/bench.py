@@ -8,6 +8,11 @@ Workloads (``--scale`` multiplies every length, ``--num-requests`` the request c
   output tokens.
 * ``latency``: one 128-token prompt, 128 output tokens: decode ms/token measured apart from the
   prefill (time to first token, then the rest / (n - 1)); plus one 1024-token prefill.
+* ``shared-prefix``: 8 groups x 8 prompts sharing a 1024-token system prompt per group, 64-token
+  questions, 32 output tokens, all at once: throughput and mean TTFT with the radix cache, with
+  ``--cache naive`` (system ``minisgl-naive``), and HF (bench_prefix.py).
+
+``--vs-no-overlap`` adds a ``minisgl-no-overlap`` system (overlap scheduling off) to offline-mixed.
 
 Every result is also put next to a ceiling measured in the same run: a matmul in the run's dtype
 (FLOP/s) and a large reduction (memory read GB/s). Progress goes to stderr, the table to stdout.
@@ -28,7 +33,7 @@ from typing import Any, Protocol
 
 import torch
 
-WORKLOADS = ("offline-mixed", "latency")
+WORKLOADS = ("offline-mixed", "latency", "shared-prefix")
 
 
 # ---------------------------------------------------------------------------- records
@@ -178,10 +183,8 @@ class System(Protocol):
 
 
 class MinisglSystem:
-    name = "minisgl"
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
+    def __init__(self, llm: Any, name: str = "minisgl") -> None:
+        self.llm, self.name = llm, name
 
     def warmup(self, ids: Sequence[int]) -> None:
         rng = random.Random("warmup")  # prompts unrelated to any measured one
@@ -356,6 +359,21 @@ def add_speedups(rows: list[Row]) -> None:
             r.speedup_vs_hf = r.value / base if r.higher_is_better else base / r.value
 
 
+def peer_ratios(rows: Sequence[Row]) -> list[str]:
+    """minisgl against its own variants (radix vs naive cache, overlap on vs off)."""
+    by_key = {(r.workload, r.system, r.metric): r for r in rows}
+    lines = []
+    for r in rows:
+        if r.system != "minisgl":
+            continue
+        for peer in ("minisgl-naive", "minisgl-no-overlap"):
+            other = by_key.get((r.workload, peer, r.metric))
+            if other and other.value > 0 and r.value > 0:
+                ratio = r.value / other.value if r.higher_is_better else other.value / r.value
+                lines.append(f"{r.workload}: minisgl vs {peer}, {r.metric}: {ratio:.2f}x better")
+    return lines
+
+
 def format_table(rows: Sequence[Row]) -> str:
     head = ["workload", "system", "metric", "value", "speedup vs hf", "of ceiling", "ceiling"]
     body = [[r.workload, r.system, r.metric, f"{r.value:,.2f}",
@@ -386,6 +404,12 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
     log(f"loading minisgl ({args.model})")
     llm = LLM(model=args.model, **engine_kwargs(args))
     systems: list[System] = [MinisglSystem(llm)]
+    if args.vs_no_overlap:
+        kw = dict(engine_kwargs(args), overlap=False)
+        systems.append(MinisglSystem(LLM(model=args.model, **kw), "minisgl-no-overlap"))
+    if args.workload in ("shared-prefix", "all"):
+        kw = dict(engine_kwargs(args), cache="naive")
+        systems.append(MinisglSystem(LLM(model=args.model, **kw), "minisgl-naive"))
     if args.compare == "hf":
         log("loading HF transformers model")
         tok: Any = llm.tokenizer
@@ -413,13 +437,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rows: list[Row] = []
     for name in workloads:
         if name == "offline-mixed":
-            rows += bench_offline(systems, ids, args.num_requests, args.scale, args.repeats or 1,
+            plain = [s for s in systems if s.name != "minisgl-naive"]
+            rows += bench_offline(plain, ids, args.num_requests, args.scale, args.repeats or 1,
                                   args.data_seed, cost, ceilings)
+        elif name == "shared-prefix":
+            from minisgl.server.bench_prefix import bench_shared_prefix
+
+            pairs = [(s.name, s.llm if isinstance(s, MinisglSystem) else s) for s in systems
+                     if s.name != "minisgl-no-overlap"]
+            rows += bench_shared_prefix(pairs, ids, args.scale, args.repeats or 1, args.data_seed)
         else:
             rows += bench_latency(systems, ids, args.scale, args.repeats or 3, args.data_seed,
                                   cost, ceilings)
     add_speedups(rows)
     print(format_table(rows), flush=True)
+    for line in peer_ratios(rows):
+        print(line, flush=True)
     if args.json:
         report = {"machine": info, "ceilings": ceilings, "args": {k: v for k, v in vars(args).items()
                                                                   if k != "func"},
@@ -447,6 +480,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=None,
                    help="runs per system, median reported (default: offline-mixed 1, latency 3)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="HF static batch size")
+    p.add_argument("--vs-no-overlap", action="store_true",
+                   help="offline-mixed: also run minisgl with overlap scheduling off")
     p.add_argument("--data-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
