@@ -56,7 +56,7 @@ class Scheduler:
         self._inflight: deque[tuple[Batch, Future[SampleOutput | None]]] = deque()
         self._collected: list[Req] = []  # results collected early (by a sync), not yet returned
         # one worker thread runs the forward of step N while this thread builds step N+1
-        self._executor = ThreadPoolExecutor(1, "minisgl-forward") if cfg.overlap else None
+        self._executor = ThreadPoolExecutor(1, "minisgl-forward") if cfg.use_overlap else None
         self._last_was_prefill = False
         self._seed_counter = 0
 

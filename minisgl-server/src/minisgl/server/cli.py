@@ -23,8 +23,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="batching policy plugin: fcfs, lpm (longest cached prefix first), ...")
     p.add_argument("--cache", default=defaults["cache"], choices=["radix", "naive"],
                    help="prefix cache: radix (reuse shared prefixes) or naive (no reuse)")
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=defaults["overlap"],
-                   help="build the next step on the CPU while the current one runs")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="build the next step on the host while the current one runs "
+                        "(default: on for GPUs, off on CPU)")
     p.add_argument("--page-size", type=int, default=defaults["page_size"])
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=defaults["kv_cache_memory"],
