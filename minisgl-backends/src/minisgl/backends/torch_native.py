@@ -1,22 +1,25 @@
 """Paged attention in plain PyTorch, for CPU and CUDA.
 
-Each request's queries and cached keys are gathered into a padded [B, Lq, ...] / [B, Lk, ...]
-layout with index tensors built once per step, then one scaled_dot_product_attention call with a
-boolean mask handles prefill, extend (cached prefix + new tokens) and decode alike. All metadata are
-tensors and Lq/Lk are rounded up to buckets, so the per-layer code has no data-dependent Python
-branches (compilable, graph-capturable).
+Decode (the step that is compiled / graph-captured later): every request's cached keys are
+gathered into a padded [B, Lk] layout with index tensors built once per step (Lk rounded up to a
+bucket), then two batched matmuls with a boolean mask; no data-dependent Python per layer.
+Prefill/extend runs eager, one scaled_dot_product_attention per request: a request without a
+cached prefix attends causally over its fresh K/V (no gather, no mask, so the kernel skips the
+masked half), one with a prefix over its gathered prefix + fresh K/V with an explicit mask. That
+is ~2x faster on CPU than one padded, masked call for a mixed batch (measured 45 vs 103 ms for 14
+prompts in one layer).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from minisgl.core.attention import AttentionBackend, BatchLayout
 
-KV_BUCKET = 64  # Lk is padded to a multiple of this
+KV_BUCKET = 64  # decode: Lk is padded to a multiple of this
 
 
 def _round_up(n: int, m: int) -> int:
@@ -24,12 +27,22 @@ def _round_up(n: int, m: int) -> int:
 
 
 @dataclass
+class Segment:
+    """One request of a prefill batch: ``q_len`` new tokens after ``prefix`` cached ones."""
+
+    start: int  # first row of its tokens in the flattened batch
+    q_len: int
+    prefix: int
+    prefix_slots: torch.Tensor | None  # [prefix] pool slots of the cached prefix
+    mask: torch.Tensor | None  # [q_len, prefix + q_len], True where attention is allowed
+
+
+@dataclass
 class TorchNativeMeta:
     out_loc: torch.Tensor  # [T] slots the new K/V go to
-    q_index: torch.Tensor  # [B, Lq] flat token index of each padded query (padding -> 0)
-    kv_slots: torch.Tensor  # [B, Lk] pool slot of each key (padding -> scratch slot 0)
-    mask: torch.Tensor  # [B, 1, Lq, Lk] True where attention is allowed
-    out_index: torch.Tensor  # [T] row of the padded [B * Lq] output holding each token
+    kv_slots: torch.Tensor | None = None  # decode: [B, Lk] pool slots (padding -> scratch 0)
+    mask: torch.Tensor | None = None  # decode: [B, Lk] True for real keys
+    segments: list[Segment] = field(default_factory=list)  # prefill
 
 
 def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -46,45 +59,49 @@ def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 class TorchNativeBackend(AttentionBackend):
     def prepare(self, layout: BatchLayout) -> TorchNativeMeta:
         dev = self.device
-        q_lens = torch.tensor(layout.q_lens, dtype=torch.int64)
-        kv_lens = torch.tensor(layout.kv_lens, dtype=torch.int64)
-        b = len(layout.q_lens)
-        lq = max(layout.q_lens) if layout.phase == "prefill" else 1
-        lk = _round_up(max(layout.kv_lens), KV_BUCKET)
-        lk = min(lk, layout.req_to_token.shape[1])
-        starts = torch.cumsum(q_lens, 0) - q_lens
-        i = torch.arange(lq)
-        q_valid = i[None, :] < q_lens[:, None]  # [B, Lq]
-        q_index = torch.where(q_valid, starts[:, None] + i[None, :], 0)
-        q_pos = (kv_lens - q_lens)[:, None] + i[None, :]  # absolute position of each query
-        k_pos = torch.arange(lk)
-        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
-        rows = torch.tensor(layout.rows, dtype=torch.int64, device=layout.req_to_token.device)
-        kv_slots = layout.req_to_token[rows, :lk]
-        kv_slots = torch.where(k_pos.to(kv_slots.device)[None, :] < kv_lens.to(kv_slots.device)[:, None], kv_slots, 0)
-        out_index = (torch.arange(b)[:, None] * lq + i[None, :])[q_valid]
-        return TorchNativeMeta(
-            out_loc=layout.out_loc.to(dev),
-            q_index=q_index.to(dev),
-            kv_slots=kv_slots.to(dev),
-            mask=mask[:, None].to(dev),
-            out_index=out_index.to(dev),
-        )
+        table = layout.req_to_token
+        if layout.phase == "decode":
+            kv_lens = torch.tensor(layout.kv_lens, dtype=torch.int64, device=table.device)
+            lk = min(_round_up(max(layout.kv_lens), KV_BUCKET), table.shape[1])
+            rows = torch.tensor(layout.rows, dtype=torch.int64, device=table.device)
+            valid = torch.arange(lk, device=table.device)[None, :] < kv_lens[:, None]
+            kv_slots = torch.where(valid, table[rows, :lk], 0)
+            return TorchNativeMeta(layout.out_loc.to(dev), kv_slots.to(dev), valid.to(dev))
+        segments, start = [], 0
+        for n, kv_len, row in zip(layout.q_lens, layout.kv_lens, layout.rows):
+            prefix = kv_len - n
+            slots = mask = None
+            if prefix:
+                slots = table[row, :prefix].to(dev)
+                q_pos = torch.arange(prefix, kv_len)[:, None]
+                mask = (torch.arange(kv_len)[None, :] <= q_pos).to(dev)
+            segments.append(Segment(start, n, prefix, slots, mask))
+            start += n
+        return TorchNativeMeta(layout.out_loc.to(dev), segments=segments)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 meta: TorchNativeMeta) -> torch.Tensor:
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
-        k_cache.index_copy_(0, meta.out_loc, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.out_loc, v.to(v_cache.dtype))
-        kp, vp = _gather(k_cache, meta.kv_slots), _gather(v_cache, meta.kv_slots)
-        if meta.q_index.shape[1] == 1:  # decode: one query per request, already in order
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        k_cache.index_copy_(0, meta.out_loc, k)
+        v_cache.index_copy_(0, meta.out_loc, v)
+        if meta.kv_slots is not None and meta.mask is not None:
+            kp, vp = _gather(k_cache, meta.kv_slots), _gather(v_cache, meta.kv_slots)
             return self._decode(q, kp, vp, meta.mask)
-        b, lq = meta.q_index.shape
-        qp = _gather(q, meta.q_index)  # [B, H, Lq, D]
-        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask, scale=self.scale,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
-        out = out.transpose(1, 2).reshape(b * lq, self.num_heads * self.head_dim)
-        return out.index_select(0, meta.out_index)
+        outs = []
+        gqa = self.num_heads != self.num_kv_heads
+        for seg in meta.segments:
+            end = seg.start + seg.q_len
+            ki, vi = k[seg.start:end], v[seg.start:end]
+            if seg.prefix_slots is not None:
+                ki = torch.cat([k_cache.index_select(0, seg.prefix_slots), ki])
+                vi = torch.cat([v_cache.index_select(0, seg.prefix_slots), vi])
+            out = F.scaled_dot_product_attention(
+                q[seg.start:end].transpose(0, 1)[None], ki.transpose(0, 1)[None],
+                vi.transpose(0, 1)[None], attn_mask=seg.mask, is_causal=seg.mask is None,
+                scale=self.scale, enable_gqa=gqa)
+            outs.append(out[0].transpose(0, 1).reshape(seg.q_len, -1))
+        return torch.cat(outs)
 
     def _decode(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, mask: torch.Tensor
                 ) -> torch.Tensor:
@@ -94,6 +111,6 @@ class TorchNativeBackend(AttentionBackend):
         b, kvh = q.shape[0], self.num_kv_heads
         qg = q.view(b, kvh, self.num_heads // kvh, self.head_dim)
         scores = torch.matmul(qg, kp.transpose(-1, -2)).float() * self.scale  # [B, KVH, G, Lk]
-        scores = scores.masked_fill(~mask.view(b, 1, 1, -1), float("-inf"))
+        scores = scores.masked_fill(~mask.view(b, 1, 1, -1), float("-inf"))  # mask: [B, Lk]
         out = torch.matmul(scores.softmax(-1).to(vp.dtype), vp)  # [B, KVH, G, D]
         return out.reshape(b, self.num_heads * self.head_dim)
