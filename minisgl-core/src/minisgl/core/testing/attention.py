@@ -63,8 +63,7 @@ def run_case(backend: str, *, page_size: int, num_heads: int, num_kv_heads: int,
         table.write_pages(row, 0, pages, page_size)
         slots = table.table[row, :total]
         k, v = randn(total, num_kv_heads, head_dim), randn(total, num_kv_heads, head_dim)
-        pool.k[0][slots[:prefix]] = k[:prefix]  # the cached prefix
-        pool.v[0][slots[:prefix]] = v[:prefix]
+        pool.write(0, slots[:prefix], k[:prefix], v[:prefix])  # the cached prefix
         seqs_k.append(k)
         seqs_v.append(v)
         rows.append(row)
@@ -87,5 +86,6 @@ def run_case(backend: str, *, page_size: int, num_heads: int, num_kv_heads: int,
         assert err <= atol, f"request {i} (prefix {prefix_lens[i]}, new {n}): max abs err {err}"
         start += n
     slots = torch.cat(out_loc)
-    assert torch.equal(pool.k[0][slots], new_k), "new K not written to the request's slots"
-    assert torch.equal(pool.v[0][slots], new_v), "new V not written to the request's slots"
+    got_k, got_v = pool.read(0, slots)  # [kv_heads, n, head_dim]
+    assert torch.equal(got_k.transpose(0, 1), new_k), "new K not written to the request's slots"
+    assert torch.equal(got_v.transpose(0, 1), new_v), "new V not written to the request's slots"
