@@ -40,7 +40,7 @@ class Segment:
 @dataclass
 class TorchNativeMeta:
     out_loc: torch.Tensor  # [T] slots the new K/V go to
-    kv_pages: torch.Tensor | None = None  # decode: [B, Lk / page_size] pages (padding -> 0)
+    kv_slots: torch.Tensor | None = None  # decode: [B, Lk] pool slots (padding -> scratch 0)
     mask: torch.Tensor | None = None  # decode: [B, Lk] True for real keys
     segments: list[Segment] = field(default_factory=list)  # prefill
 
@@ -50,18 +50,12 @@ class TorchNativeBackend(AttentionBackend):
         dev = self.device
         table = layout.req_to_token
         if layout.phase == "decode":
-            # Whole pages are gathered (a page's slots are contiguous in the pool), so Lk is
-            # rounded up to a bucket that is also a multiple of the page size.
-            ps = self.kv.page_size
             kv_lens = torch.tensor(layout.kv_lens, dtype=torch.int64, device=table.device)
             lk = min(_round_up(max(layout.kv_lens), KV_BUCKET), table.shape[1])
-            lk = _round_up(lk, ps)
             rows = torch.tensor(layout.rows, dtype=torch.int64, device=table.device)
-            pages = table[rows, :lk:ps] // ps  # table rows are whole pages, in order
-            page_valid = torch.arange(0, lk, ps, device=table.device)[None, :] < kv_lens[:, None]
-            pages = torch.where(page_valid, pages, 0)
             valid = torch.arange(lk, device=table.device)[None, :] < kv_lens[:, None]
-            return TorchNativeMeta(layout.out_loc.to(dev), pages.to(dev), valid.to(dev))
+            kv_slots = torch.where(valid, table[rows, :lk], 0)
+            return TorchNativeMeta(layout.out_loc.to(dev), kv_slots.to(dev), valid.to(dev))
         segments, start = [], 0
         for n, kv_len, row in zip(layout.q_lens, layout.kv_lens, layout.rows):
             prefix = kv_len - n
@@ -77,8 +71,8 @@ class TorchNativeBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 meta: TorchNativeMeta) -> torch.Tensor:
         self.kv.write(layer, meta.out_loc, k, v)
-        if meta.kv_pages is not None and meta.mask is not None:
-            kp, vp = self.kv.read_pages(layer, meta.kv_pages)  # [KVH, B, Lk, D], contiguous
+        if meta.kv_slots is not None and meta.mask is not None:
+            kp, vp = self.kv.read(layer, meta.kv_slots)  # [KVH, B, Lk, D], contiguous
             return self._decode(q, kp, vp, meta.mask)
         outs = []
         gqa = self.num_heads != self.num_kv_heads

@@ -31,19 +31,6 @@ class KVPool:
         shape = (k.shape[0], *slots.shape, k.shape[-1])
         return k.view(shape), v.view(shape)
 
-    def read_pages(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of whole pages ([B, P] page ids) as [kv_heads, B, P * page_size, head_dim].
-
-        Copies page_size rows per index instead of one: the same data as ``read`` of the pages'
-        slots, with far fewer, larger copies."""
-        ps = self.page_size
-        kvh, _, d = self.k[layer].shape
-        flat = pages.reshape(-1)
-        k = self.k[layer].view(kvh, self.num_pages, ps, d).index_select(1, flat)
-        v = self.v[layer].view(kvh, self.num_pages, ps, d).index_select(1, flat)
-        shape = (kvh, pages.shape[0], pages.shape[1] * ps, d)
-        return k.view(shape), v.view(shape)
-
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([n, kv_heads, head_dim]) at ``slots`` ([n])."""
         self.k[layer].index_copy_(1, slots, k.transpose(0, 1).to(self.k[layer].dtype))
