@@ -137,8 +137,3 @@ class Engine:
         out = self.sampler.sample(logits, views)
         self.future[torch.tensor(future_slots, device=self.device)] = out.tokens.to(self.device)
         return out
-
-    def step(self, batch: Batch) -> SampleOutput | None:
-        """Run one batch synchronously; tokens for the requests whose ``sample`` flag is set."""
-        reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
-        return self.run(self.prepare(batch), reqs, self.take_future_slots(len(reqs)))

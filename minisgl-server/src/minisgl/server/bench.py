@@ -174,8 +174,6 @@ def offline_mixed(ids: Sequence[int], num_requests: int, scale: float, seed: int
 class System(Protocol):
     name: str
 
-    def warmup(self, ids: Sequence[int]) -> None: ...
-
     def run_offline(self, wl: Workload) -> tuple[int, float]:
         """(generated tokens counted, wall seconds)."""
         ...
@@ -183,15 +181,17 @@ class System(Protocol):
     def run_single(self, prompt: list[int], n_out: int) -> Timing: ...
 
 
+def warmup(system: System, ids: Sequence[int]) -> None:
+    """A short offline run and a single request, on prompts unrelated to any measured one."""
+    rng = random.Random("warmup")
+    prompts = [random_prompt(rng, ids, n) for n in (32, 48)]
+    system.run_offline(Workload("warmup", prompts, [8, 8]))
+    system.run_single(random_prompt(rng, ids, 16), 4)
+
+
 class MinisglSystem:
     def __init__(self, llm: Any, name: str = "minisgl") -> None:
         self.llm, self.name = llm, name
-
-    def warmup(self, ids: Sequence[int]) -> None:
-        rng = random.Random("warmup")  # prompts unrelated to any measured one
-        prompts = [random_prompt(rng, ids, n) for n in (32, 48)]
-        self.run_offline(Workload("warmup", prompts, [8, 8]))
-        self.run_single(random_prompt(rng, ids, 16), 4)
 
     def run_offline(self, wl: Workload) -> tuple[int, float]:
         from minisgl.core import SamplingParams
@@ -250,12 +250,6 @@ class HFSystem:
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         self.model = model.eval()
         self.pad_id, self.batch_size = pad_id, batch_size
-
-    def warmup(self, ids: Sequence[int]) -> None:
-        rng = random.Random("warmup")  # prompts unrelated to any measured one
-        prompts = [random_prompt(rng, ids, n) for n in (32, 48)]
-        self.run_offline(Workload("warmup", prompts, [8, 8]))
-        self.run_single(random_prompt(rng, ids, 16), 4)
 
     def _left_padded(self, prompts: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
@@ -459,7 +453,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # minisgl would slow the HF baseline down and inflate the ratios.
     for s in sorted(systems, key=lambda s: s.name != "hf"):
         log(f"warming up {s.name}")
-        s.warmup(ids)
+        warmup(s, ids)
         rows += _run_workloads(args, workloads, [s], ids, cost, ceilings)
         if isinstance(s, MinisglSystem):
             s.llm.close()  # joins the forward worker thread
