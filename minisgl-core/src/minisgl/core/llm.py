@@ -29,6 +29,8 @@ class RequestOutput:
     finish_reason: str  # "stop" | "length" | "abort"
     logprobs: list[float] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # per token, the top_logprobs most likely (token id, log-prob) pairs (SamplingParams.top_logprobs)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class LLM:
@@ -104,7 +106,8 @@ class LLM:
             req.output_ids, skip_special_tokens=True))
         return RequestOutput(prompt if isinstance(prompt, str) else None, req.prompt_ids, text,
                              list(req.output_ids), req.finish_reason or "abort",
-                             list(req.output_logprobs), req.cached_tokens)
+                             list(req.output_logprobs), req.cached_tokens,
+                             list(req.output_top_logprobs))
 
     # -- public API --------------------------------------------------------------------------
     def close(self) -> None:

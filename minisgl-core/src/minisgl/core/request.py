@@ -31,6 +31,8 @@ class Req:
     rid: int = field(default_factory=lambda: next(_rid_counter))
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # per output token, the params.top_logprobs most likely (token id, log-prob) pairs
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_computed: int = 0  # tokens whose K/V are in the cache

@@ -23,6 +23,10 @@ class SampleOutput:
     # [B] float32 on CPU: log-prob of the chosen token under log_softmax(raw logits), i.e. before
     # penalties and temperature (what vLLM reports by default)
     logprobs: torch.Tensor
+    # [B, K] on CPU, K = the largest top_logprobs asked for in the batch (None when 0): the most
+    # likely token ids per row and their log-probs, from the same distribution as ``logprobs``
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
 
 
 class Sampler(abc.ABC):
@@ -161,8 +165,14 @@ class TorchSampler(Sampler):
         if rows:
             idx = torch.tensor(rows, dtype=torch.int64, device=raw.device)
             tokens[idx] = self._sample_rows(penalised[idx], [reqs[i] for i in rows])
-        logprobs = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - raw.logsumexp(dim=-1)
-        return SampleOutput(tokens.cpu(), logprobs.cpu())
+        lse = raw.logsumexp(dim=-1, keepdim=True)
+        logprobs = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse.squeeze(1)
+        out = SampleOutput(tokens.cpu(), logprobs.cpu())
+        k = max(r.params.top_logprobs for r in reqs)
+        if k > 0:
+            top, ids = raw.topk(k, dim=-1)
+            out.top_ids, out.top_logprobs = ids.cpu(), (top - lse).cpu()
+        return out
 
     def _sample_rows(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
         """Temperature, filters and a seeded draw for non-greedy rows."""

@@ -25,6 +25,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    top_logprobs: int = 0  # also report the log-probs of this many most likely tokens per step
 
     def __post_init__(self) -> None:
         self.validate()
@@ -53,6 +54,8 @@ class SamplingParams:
             raise bad("seed", "must be an integer or None")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
+            raise bad("top_logprobs", "must be an integer in [0, 20]")
 
     @property
     def greedy(self) -> bool:

@@ -122,7 +122,7 @@ class Scheduler:
         req.status = Status.FINISHED
         if req.output_ids and req.output_ids[-1] < 0:  # aborted with a token still in flight
             cut = next(i for i, t in enumerate(req.output_ids) if t < 0)
-            del req.output_ids[cut:], req.output_logprobs[cut:]
+            del req.output_ids[cut:], req.output_logprobs[cut:], req.output_top_logprobs[cut:]
         self._release_when_idle(req)
 
     def _release_when_idle(self, req: Req) -> None:
@@ -287,6 +287,7 @@ class Scheduler:
             batch.out_pos.append(len(req.output_ids))
             req.output_ids.append(-1 - slot)
             req.output_logprobs.append(0.0)
+            req.output_top_logprobs.append([])
         if self._executor is None:
             fut: Future[SampleOutput | None] = Future()
             fut.set_result(engine.run(inputs, sample_reqs, batch.future_slots))
@@ -299,16 +300,22 @@ class Scheduler:
         out = fut.result()
         tokens = out.tokens.tolist() if out is not None else []
         logprobs = out.logprobs.tolist() if out is not None else []
+        top_ids = out.top_ids.tolist() if out is not None and out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if top_ids is not None and out is not None else None
         changed: list[Req] = []
         sampled = [r for r, s in zip(batch.reqs, batch.sample) if s]
-        for req, pos, token, logprob in zip(sampled, batch.out_pos, tokens, logprobs):
+        for i, (req, pos, token, logprob) in enumerate(zip(sampled, batch.out_pos, tokens, logprobs)):
             if req.finished:  # finished (or aborted) while this step ran: drop its token
                 continue
             req.output_ids[pos] = token
             req.output_logprobs[pos] = logprob
+            k = req.params.top_logprobs
+            if k and top_ids is not None and top_lps is not None:
+                req.output_top_logprobs[pos] = list(zip(top_ids[i][:k], top_lps[i][:k]))
             req.check_stop(pos, self.engine.max_model_len)
             if req.finish_reason is not None:
                 del req.output_ids[pos + 1:], req.output_logprobs[pos + 1:]
+                del req.output_top_logprobs[pos + 1:]
                 self._finish(req)
             changed.append(req)
         for req in batch.release_after:

@@ -73,6 +73,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from minisgl.server.launcher import ServerArgs, serve
+
+    return serve(ServerArgs(model=args.model, engine=engine_kwargs(args), host=args.host,
+                            port=args.port, api_key=args.api_key,
+                            served_model_name=args.served_model_name,
+                            max_body_bytes=args.max_body_bytes, log_level=args.log_level))
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=1919)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on every API route but /health")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and /v1/models reports (default: --model)")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
+                   help="larger request bodies are answered with 413")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minisgl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--sampling-seed", type=int, default=None)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_args(p)
+    add_server_args(p)
+    p.set_defaults(func=cmd_serve)
 
     from minisgl.server import bench
 

@@ -1,0 +1,448 @@
+"""The API server process: a starlette app (OpenAI-compatible + native /generate) on uvicorn.
+
+It owns no model: prompts go to the tokenizer process over ZMQ, and text comes back from the
+detokenizer. ``Pipeline`` is the asyncio side of those sockets; the routes turn HTTP into
+GenerateReq messages and TextOut messages into JSON or server-sent events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from minisgl.server.ipc import Endpoints
+from minisgl.server.messages import (Abort, Error, Fatal, GenerateReq, Ready, Stats, StatsQuery,
+                                     TextOut, decode, encode)
+from minisgl.server.protocol import (APIError, ModelInfo, Parsed, parse_chat, parse_completion,
+                                     parse_generate)
+
+
+class Pipeline:
+    """The API's end of the process pipeline: submit requests, receive their events.
+
+    Every sub-request (rid) is routed to the asyncio queue of the HTTP request that made it.
+    Events are TextOut or Error messages; a dead pipeline puts an Error with status 503.
+    """
+
+    def __init__(self, ep: Endpoints, served_name: str, defaults: dict[str, Any]) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(ep.api)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.connect(ep.tokenizer)
+        self.queues: dict[str, asyncio.Queue[Any]] = {}
+        self.stats_waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self.ready: set[str] = set()
+        self.info: ModelInfo | None = None
+        self.served_name, self.defaults = served_name, defaults
+        self.dead: str | None = None  # why the deployment can no longer serve
+        self.closing = False
+        self.pids: dict[str, int] = {}  # child process name -> pid (set by the launcher)
+
+    @property
+    def healthy(self) -> bool:
+        return self.info is not None and {"tokenizer", "scheduler"} <= self.ready \
+            and self.dead is None and not self.closing
+
+    async def receive_forever(self) -> None:
+        while True:
+            msg = decode(await self.pull.recv())
+            if isinstance(msg, (TextOut, Error)):
+                queue = self.queues.get(msg.rid)
+                if queue is not None:
+                    queue.put_nowait(msg)
+            elif isinstance(msg, Ready):
+                self.ready.add(msg.process)
+                if msg.process == "scheduler":
+                    self.info = ModelInfo(self.served_name, msg.info["max_model_len"],
+                                          self.defaults)
+            elif isinstance(msg, Stats):
+                fut = self.stats_waiters.pop(msg.qid, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.stats)
+            elif isinstance(msg, Fatal):
+                self.fail(f"the {msg.process} process failed: {msg.message}")
+
+    def submit(self, req: GenerateReq, queue: asyncio.Queue[Any]) -> None:
+        self.queues[req.rid] = queue
+        self.push.send(encode(req))
+
+    def done(self, rid: str, abort: bool) -> None:
+        """Forget ``rid``; tell the scheduler to stop it if it may still run."""
+        self.queues.pop(rid, None)
+        if abort and self.dead is None and not self.push.closed:
+            self.push.send(encode(Abort(rid=rid)))
+
+    async def stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        qid = uuid.uuid4().hex
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.stats_waiters[qid] = fut
+        self.push.send(encode(StatsQuery(qid=qid)))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.stats_waiters.pop(qid, None)
+
+    def close(self) -> None:
+        self.pull.close(linger=0)
+        self.push.close(linger=0)
+        self.ctx.term()
+
+    def fail(self, reason: str) -> None:
+        """The deployment is broken: every request in flight ends with a 503 error."""
+        if self.dead is None:
+            self.dead = reason
+        for rid, queue in list(self.queues.items()):
+            queue.put_nowait(Error(rid=rid, status=503, message=reason))
+
+    def abort_all(self) -> None:
+        """Shutting down: every request in flight ends now with finish_reason "abort"."""
+        self.closing = True
+        for rid, queue in list(self.queues.items()):
+            queue.put_nowait(TextOut(rid=rid, text="", token_ids=[], finish_reason="abort"))
+            self.done(rid, abort=True)
+
+
+# -- HTTP plumbing -------------------------------------------------------------------------------
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise APIError(413, f"request body of {size} bytes exceeds the limit of {limit} bytes")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class _Choice:
+    """The state of one choice (sub-request) of an HTTP request."""
+
+    rid: str
+    index: int
+    prompt_index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    started: bool = False  # streaming: the role delta was sent
+
+    def absorb(self, out: TextOut) -> None:
+        self.text.append(out.text)
+        self.token_ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs)
+        self.finish_reason = out.finish_reason
+        self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        self.completion_tokens = max(self.completion_tokens, out.completion_tokens)
+
+
+def usage(choices: list[_Choice]) -> dict[str, Any]:
+    firsts = {c.prompt_index: c for c in reversed(choices)}  # a prompt counts once, whatever n
+    prompt = sum(c.prompt_tokens for c in firsts.values())
+    completion = sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts.values())}}
+
+
+def chat_logprobs(entries: list[Any]) -> dict[str, Any]:
+    def one(tok: str, lp: float) -> dict[str, Any]:
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+    return {"content": [dict(one(e.token, e.logprob), top_logprobs=[one(t, v) for t, v in e.top])
+                        for e in entries]}
+
+
+def completion_logprobs(entries: list[Any], offset: int) -> dict[str, Any]:
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
+
+
+class Generation:
+    """One HTTP generation request fanned out into prompts x n sub-requests."""
+
+    def __init__(self, pipe: Pipeline, parsed: Parsed, kind: str) -> None:
+        self.pipe, self.parsed, self.kind = pipe, parsed, kind
+        self.id = {"chat": "chatcmpl-", "completion": "cmpl-", "generate": ""}[kind] + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.choices: dict[str, _Choice] = {}
+        seed = parsed.params.seed
+        for p, prompt in enumerate(parsed.prompts):
+            for i in range(parsed.n):
+                rid = f"{self.id}-{p}-{i}"
+                params = parsed.params
+                if seed is not None and i > 0:  # n seeded samples must still differ
+                    params = type(params)(**{f: getattr(params, f) for f in params.__struct_fields__})
+                    params.seed = seed + i
+                self.choices[rid] = _Choice(rid, p * parsed.n + i, p)
+                pipe.submit(GenerateReq(rid=rid, params=params, stop=parsed.stop,
+                                        skip_special_tokens=parsed.skip_special_tokens,
+                                        **prompt), self.queue)
+
+    @property
+    def unfinished(self) -> list[_Choice]:
+        return [c for c in self.choices.values() if c.finish_reason is None]
+
+    async def next_event(self) -> TextOut:
+        msg = await self.queue.get()
+        if isinstance(msg, Error):
+            raise APIError(msg.status, msg.message, msg.param)
+        choice = self.choices[msg.rid]
+        choice.absorb(msg)
+        if msg.finish_reason is not None:
+            self.pipe.done(msg.rid, abort=False)
+        return msg
+
+    def cancel(self) -> None:
+        for c in self.unfinished:
+            self.pipe.done(c.rid, abort=True)
+
+    # -- non-streaming -----------------------------------------------------------------------
+    async def collect(self, request: Request) -> dict[str, Any] | None:
+        """The whole answer; None if the client disconnected first (its work is stopped)."""
+        async def watch_disconnect() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.25)
+
+        watcher = asyncio.ensure_future(watch_disconnect())
+        try:
+            while self.unfinished:
+                getter = asyncio.ensure_future(self.next_event())
+                await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    return None
+                getter.result()
+        finally:
+            watcher.cancel()
+            self.cancel()
+        return self.final_body()
+
+    def final_body(self) -> dict[str, Any]:
+        choices = sorted(self.choices.values(), key=lambda c: c.index)
+        if self.kind == "generate":
+            c = choices[0]
+            return {"text": "".join(c.text), "output_ids": c.token_ids,
+                    "meta_info": self.meta(c, c.logprobs)}
+        out = []
+        for c in choices:
+            text = "".join(c.text)
+            if self.kind == "chat":
+                out.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                            "logprobs": chat_logprobs(c.logprobs) if self.parsed.logprobs else None,
+                            "finish_reason": c.finish_reason})
+            else:
+                echo = self.echo_text(c)
+                out.append({"index": c.index, "text": echo + text,
+                            "logprobs": completion_logprobs(c.logprobs, len(echo))
+                            if self.parsed.logprobs else None,
+                            "finish_reason": c.finish_reason})
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created,
+                "model": self.pipe.served_name, "choices": out, "usage": usage(choices)}
+
+    def echo_text(self, c: _Choice) -> str:
+        return str(self.parsed.prompts[c.prompt_index].get("text") or "") if self.parsed.echo else ""
+
+    def meta(self, c: _Choice, entries: list[Any]) -> dict[str, Any]:
+        """/generate's meta_info; logprobs as [token, logprob, [[token, logprob], ...]]."""
+        meta: dict[str, Any] = {"finish_reason": c.finish_reason, "prompt_tokens": c.prompt_tokens,
+                                "completion_tokens": c.completion_tokens,
+                                "cached_tokens": c.cached_tokens}
+        if self.parsed.logprobs:
+            meta["logprobs"] = [[e.token, e.logprob, [list(t) for t in e.top]] for e in entries]
+        return meta
+
+    # -- streaming ---------------------------------------------------------------------------
+    async def first_events(self) -> list[TextOut]:
+        """Wait for every sub-request's first event, so that a request the pipeline rejects is
+        answered with a plain 4xx instead of a stream."""
+        waiting, early = {c.rid for c in self.choices.values()}, []
+        try:
+            while waiting:
+                msg = await self.next_event()
+                waiting.discard(msg.rid)
+                early.append(msg)
+        except BaseException:
+            self.cancel()
+            raise
+        return early
+
+    async def stream(self, early: list[TextOut]) -> AsyncIterator[str]:
+        try:
+            for msg in early:
+                for chunk in self.chunks(msg):
+                    yield chunk
+            while self.unfinished:
+                try:
+                    msg = await self.next_event()
+                except APIError as e:  # the deployment broke mid-stream
+                    yield sse(e.body())
+                    return
+                for chunk in self.chunks(msg):
+                    yield chunk
+            if self.parsed.include_usage and self.kind != "generate":
+                yield sse(self.chunk_head() | {"choices": [], "usage": usage(list(self.choices.values()))})
+            yield "data: [DONE]\n\n"
+        finally:
+            self.cancel()  # the client went away (or the server stops): free its KV pages
+
+    def chunk_head(self) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created,
+                "model": self.pipe.served_name}
+
+    def chunks(self, msg: TextOut) -> list[str]:
+        c = self.choices[msg.rid]
+        if self.kind == "generate":
+            return [sse({"text": msg.text, "output_ids": msg.token_ids,
+                         "meta_info": self.meta(c, msg.logprobs)})]
+        extra = {"usage": None} if self.parsed.include_usage else {}
+        out = []
+        if self.kind == "chat":
+            if not c.started:
+                c.started = True
+                out.append(sse(self.chunk_head() | {"choices": [{
+                    "index": c.index, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}]} | extra))
+            if msg.text or msg.finish_reason or msg.logprobs:
+                out.append(sse(self.chunk_head() | {"choices": [{
+                    "index": c.index, "delta": {"content": msg.text} if msg.text else {},
+                    "logprobs": chat_logprobs(msg.logprobs) if self.parsed.logprobs else None,
+                    "finish_reason": msg.finish_reason}]} | extra))
+            return out
+        text = msg.text
+        if not c.started:
+            c.started = True
+            text = self.echo_text(c) + text
+        if text or msg.finish_reason or msg.logprobs:
+            offset = sum(len(t) for t in c.text) - len(msg.text)
+            out.append(sse(self.chunk_head() | {"choices": [{
+                "index": c.index, "text": text,
+                "logprobs": completion_logprobs(msg.logprobs, offset) if self.parsed.logprobs
+                else None, "finish_reason": msg.finish_reason}]} | extra))
+        return out
+
+
+# -- the app -------------------------------------------------------------------------------------
+def build_app(pipe: Pipeline, api_key: str | None = None,
+              max_body_bytes: int = 8 * 1024 * 1024) -> Starlette:
+    def check(request: Request) -> None:
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+        if pipe.dead is not None:
+            raise APIError(503, f"the server cannot serve requests: {pipe.dead}")
+        if not pipe.healthy:
+            raise APIError(503, "the server is starting up (or shutting down); see GET /health")
+
+    async def generation(request: Request, kind: str) -> Response:
+        try:
+            check(request)
+            body = await read_json(request, max_body_bytes)
+            assert pipe.info is not None
+            parse = {"chat": parse_chat, "completion": parse_completion,
+                     "generate": parse_generate}[kind]
+            parsed = parse(body, pipe.info)
+            if parsed.echo and any("text" not in p for p in parsed.prompts):
+                raise APIError(400, "echo: needs string prompts", "echo")
+            gen = Generation(pipe, parsed, kind)
+            if not parsed.stream:
+                result = await gen.collect(request)
+                # 499 (client closed request): nobody reads it, the work was stopped
+                return Response(status_code=499) if result is None else JSONResponse(result)
+            early = await gen.first_events()
+            return StreamingResponse(gen.stream(early), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        except APIError as e:
+            return error_response(e)
+
+    async def chat(request: Request) -> Response:
+        return await generation(request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await generation(request, "completion")
+
+    async def generate(request: Request) -> Response:
+        return await generation(request, "generate")
+
+    async def models(request: Request) -> Response:
+        try:
+            check(request)
+        except APIError as e:
+            return error_response(e)
+        assert pipe.info is not None
+        return JSONResponse({"object": "list", "data": [{
+            "id": pipe.served_name, "object": "model", "created": int(time.time()),
+            "owned_by": "minisgl", "max_model_len": pipe.info.max_model_len}]})
+
+    async def health(request: Request) -> Response:
+        if pipe.healthy:
+            return JSONResponse({"status": "ok"})
+        reason = pipe.dead or ("shutting down" if pipe.closing else "loading the model")
+        return error_response(APIError(503, f"not ready: {reason}"))
+
+    async def stats(request: Request) -> Response:
+        """Scheduler counters (pages free / cached / held, queue lengths), for tests and ops."""
+        try:
+            check(request)
+            return JSONResponse(await pipe.stats() | {"pids": pipe.pids})
+        except APIError as e:
+            return error_response(e)
+        except asyncio.TimeoutError:
+            return error_response(APIError(503, "the scheduler did not answer within 10 s"))
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            return error_response(APIError(404, f"no route {request.url.path}", code="not_found"))
+        if exc.status_code == 405:
+            return error_response(APIError(
+                405, f"method {request.method} is not allowed on {request.url.path}",
+                code="method_not_allowed"))
+        return error_response(APIError(exc.status_code, str(exc.detail)))
+
+    routes = [
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/generate", generate, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/stats", stats, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})

@@ -1,0 +1,84 @@
+"""The detokenizer process: token ids -> text deltas for the API, and stop strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl.server.detokenize import TextStream, token_text
+from minisgl.server.ipc import POLL_MS, Endpoints, Sockets, child_main, parent_alive
+from minisgl.server.messages import (Abort, Accepted, Error, Fatal, LogprobEntry, Ready, Stats,
+                                     TextOut, TokenBatch, TokenOut)
+from minisgl.server.tokenizer_proc import load_tokenizer
+
+
+@dataclass
+class _State:
+    text: TextStream | None  # None: the model has no tokenizer, only ids are sent
+    prompt_tokens: int
+    logprobs: bool
+    tokens: int = 0  # completion tokens so far
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Any, socks: Sockets) -> None:
+        self.tokenizer = tokenizer
+        self.socks = socks
+        self.states: dict[str, _State] = {}
+
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, Accepted):
+            text = None if self.tokenizer is None else TextStream(
+                self.tokenizer, msg.stop, msg.skip_special_tokens)
+            self.states[msg.rid] = _State(text, msg.prompt_tokens, msg.logprobs)
+        elif isinstance(msg, TokenBatch):
+            for item in msg.items:
+                self.output(item)
+        elif isinstance(msg, Error):
+            self.states.pop(msg.rid, None)
+            self.socks.send("api", msg)
+        elif isinstance(msg, (Ready, Stats, Fatal)):
+            self.socks.send("api", msg)
+
+    def output(self, item: TokenOut) -> None:
+        st = self.states.get(item.rid)
+        if st is None:  # finished here already (stop string); the scheduler's last word
+            return
+        ids, finish = list(item.token_ids), item.finish_reason
+        delta = ""
+        if st.text is not None:
+            # a stop token (EOS or stop_token_ids) ends the request but is not part of the text
+            shown = ids[:-1] if finish == "stop" else ids
+            before = st.text.num_tokens
+            delta = st.text.add(shown, final=finish is not None)
+            if st.text.stopped:  # a stop string matched: cut here and stop the scheduler
+                ids = ids[: st.text.num_tokens - before]
+                finish = "stop"
+                self.socks.send("scheduler", Abort(rid=item.rid))
+        entries = []
+        if st.logprobs and self.tokenizer is not None:
+            tops = item.top_logprobs or [[] for _ in ids]
+            for tok, lp, top in zip(ids, item.logprobs, tops):
+                entries.append(LogprobEntry(
+                    token_text(self.tokenizer, tok), lp,
+                    [(token_text(self.tokenizer, t), v) for t, v in top]))
+        st.tokens += len(ids)
+        self.socks.send("api", TextOut(
+            rid=item.rid, text=delta, token_ids=ids, logprobs=entries, finish_reason=finish,
+            prompt_tokens=st.prompt_tokens, completion_tokens=st.tokens,
+            cached_tokens=item.cached_tokens))
+        if finish is not None:
+            del self.states[item.rid]
+
+
+def run(ep: Endpoints, model_path: str) -> None:
+    def body() -> None:
+        tokenizer = load_tokenizer(model_path)
+        socks = Sockets(ep.detokenizer, api=ep.api, scheduler=ep.scheduler)
+        detok = Detokenizer(tokenizer, socks)
+        while parent_alive():
+            msg = socks.recv(POLL_MS)
+            if msg is not None:
+                detok.handle(msg)
+
+    child_main("detokenizer", ep.api, body)

@@ -1,0 +1,95 @@
+"""ZMQ endpoints of one deployment and what every child process does first."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from minisgl.server.messages import Fatal, Msg, decode, encode
+
+POLL_MS = 200  # idle poll interval; also how often a child checks that its parent is alive
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """One PULL socket per process, bound by its owner; the others PUSH to it."""
+
+    tokenizer: str
+    scheduler: str
+    detokenizer: str
+    api: str
+
+    @classmethod
+    def in_dir(cls, path: str) -> Endpoints:
+        return cls(*(f"ipc://{os.path.join(path, n)}" for n in
+                     ("tokenizer", "scheduler", "detokenizer", "api")))
+
+
+class Sockets:
+    """A PULL socket bound at ``own`` and PUSH sockets connected to ``peers``."""
+
+    def __init__(self, own: str, **peers: str) -> None:
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(own)
+        self.push: dict[str, zmq.Socket[bytes]] = {}
+        for name, addr in peers.items():
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(addr)
+            self.push[name] = sock
+
+    def send(self, peer: str, msg: Msg) -> None:
+        self.push[peer].send(encode(msg))
+
+    def recv(self, timeout_ms: int) -> Any | None:
+        """The next message, or None after ``timeout_ms`` without one."""
+        if not self.pull.poll(timeout_ms):
+            return None
+        return decode(self.pull.recv())
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGTERM this process when the launcher dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def child_main(name: str, report_to: str, body: Callable[[], None]) -> None:
+    """Run a child process's ``body``: Ctrl-C is the launcher's to handle, plugins are loaded
+    here (every process loads them itself), and a crash is reported to the API before exiting."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    parent = os.getppid()
+    os.environ["MINISGL_PARENT_PID"] = str(parent)
+    try:
+        from minisgl.core.plugins import get_plugin_manager
+
+        get_plugin_manager()
+        body()
+    except Exception:
+        text = traceback.format_exc()
+        print(f"minisgl {name} process failed:\n{text}", file=sys.stderr, flush=True)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(report_to)
+        sock.send(encode(Fatal(process=name, message=text.strip().splitlines()[-1])))
+        sock.close()
+        ctx.term()
+        sys.exit(1)
+
+
+def parent_alive() -> bool:
+    return os.getppid() == int(os.environ.get("MINISGL_PARENT_PID", os.getppid()))

@@ -1,0 +1,164 @@
+"""``minisgl serve``: start the processes, serve HTTP, watch the children, stop everything.
+
+The launcher process is also the API server. Children (tokenizer, scheduler, detokenizer) are
+spawned with multiprocessing and die with it. /health answers 503 until the scheduler has loaded
+the model. SIGINT/SIGTERM: requests in flight get a final "abort" event, then the children are
+stopped. A child that dies turns /health 503, fails the requests in flight, and makes the launcher
+exit with status 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from minisgl.server import detokenizer_proc, scheduler_proc, tokenizer_proc
+from minisgl.server.api import Pipeline, build_app
+from minisgl.server.ipc import Endpoints
+
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class ServerArgs:
+    model: str = "smollm2"
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
+    host: str = "127.0.0.1"
+    port: int = 1919
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    log_level: str = "warning"
+
+
+def generation_defaults(model_path: str) -> dict[str, Any]:
+    """Sampling defaults from generation_config.json (vLLM's choice of fields)."""
+    path = Path(model_path) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    cfg = json.loads(path.read_text())
+    return {k: cfg[k] for k in GENERATION_DEFAULTS if cfg.get(k) is not None}
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn, with our shutdown: abort requests in flight first; never re-raise the signal."""
+
+    def __init__(self, config: uvicorn.Config, pipe: Pipeline) -> None:
+        super().__init__(config)
+        self.pipe = pipe
+        self.exit_code = 0
+        self.event_loop: asyncio.AbstractEventLoop | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.event_loop is not None:  # a signal handler: hand the work to the event loop
+            self.event_loop.call_soon_threadsafe(self.pipe.abort_all)
+        super().handle_exit(sig, frame)
+
+
+async def _watch(children: list[mp.process.BaseProcess], pipe: Pipeline, server: _Uvicorn) -> None:
+    """A child that exits while we serve breaks the deployment: fail requests, stop serving."""
+    while not server.should_exit:
+        for p in children:
+            if not p.is_alive():
+                reason = pipe.dead or f"the {p.name} process exited with code {p.exitcode}"
+                pipe.fail(reason)
+                print(f"minisgl: {reason}; shutting down", file=sys.stderr, flush=True)
+                server.exit_code = 1
+                await asyncio.sleep(0.2)  # let the streams in flight send their error event
+                server.should_exit = True
+                return
+        if pipe.dead is not None:  # a child reported a fatal error and is on its way out
+            await asyncio.sleep(0.1)
+            continue
+        await asyncio.sleep(0.1)
+
+
+async def _announce(pipe: Pipeline, args: ServerArgs, started: float) -> None:
+    while not pipe.healthy and pipe.dead is None:
+        await asyncio.sleep(0.1)
+    if pipe.healthy:
+        print(f"minisgl: serving {pipe.served_name} on http://{args.host}:{args.port} "
+              f"(ready in {time.perf_counter() - started:.1f} s)", flush=True)
+
+
+def _stop(children: list[mp.process.BaseProcess], timeout: float = 5.0) -> None:
+    for p in children:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + timeout
+    for p in children:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def serve(args: ServerArgs) -> int:
+    from minisgl.core.bundled import resolve_model
+    from minisgl.core.config import EngineConfig
+
+    EngineConfig(model=args.model, **args.engine)  # bad options fail here, before any process
+    started = time.perf_counter()
+    path = resolve_model(args.model)  # the bundled model is converted once, here
+    served = args.served_model_name or args.model
+    with tempfile.TemporaryDirectory(prefix="minisgl-") as tmp:
+        ep = Endpoints.in_dir(tmp)
+        return asyncio.run(_serve(args, ep, path, served, started))
+
+
+async def _serve(args: ServerArgs, ep: Endpoints, path: str, served: str, started: float) -> int:
+    pipe = Pipeline(ep, served, generation_defaults(path))
+    ctx = mp.get_context("spawn")
+    children = [
+        ctx.Process(target=scheduler_proc.run, args=(ep, path, args.engine), name="scheduler"),
+        ctx.Process(target=detokenizer_proc.run, args=(ep, path), name="detokenizer"),
+        ctx.Process(target=tokenizer_proc.run, args=(ep, path), name="tokenizer"),
+    ]
+    for p in children:
+        p.start()
+        pipe.pids[p.name] = p.pid or 0
+    config = uvicorn.Config(build_app(pipe, args.api_key, args.max_body_bytes), host=args.host,
+                            port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
+                            lifespan="off")
+    server = _Uvicorn(config, pipe)
+    server.event_loop = asyncio.get_running_loop()
+    tasks = [asyncio.ensure_future(t) for t in (pipe.receive_forever(),
+                                                _watch(children, pipe, server),
+                                                _announce(pipe, args, started))]
+    try:
+        await server.serve()
+        if not server.started and server.exit_code == 0:
+            server.exit_code = 1  # could not bind the port (uvicorn logged why)
+    finally:
+        for t in tasks:
+            t.cancel()
+        _stop(children)
+        pipe.close()
+    return server.exit_code
+
+
+def main_env_check() -> None:
+    """Tokenizer threads in forked/spawned children would oversubscribe the cores."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,147 @@
+"""The scheduler process (one per rank): the engine and the scheduler loop behind ZMQ."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from minisgl.server.ipc import POLL_MS, Endpoints, Sockets, child_main, parent_alive
+from minisgl.server.messages import (Abort, Accepted, Error, Ready, Stats, StatsQuery,
+                                     TokenBatch, TokenizedReq, TokenOut)
+
+
+class SchedulerServer:
+    """Turns messages into scheduler calls and finished steps into TokenBatch messages."""
+
+    def __init__(self, engine_kwargs: dict[str, Any], model_path: str, socks: Sockets) -> None:
+        from minisgl.core.config import EngineConfig
+        from minisgl.core.engine import Engine
+        from minisgl.core.scheduler import Scheduler
+
+        self.engine = Engine(EngineConfig(model=model_path, **engine_kwargs))
+        self.scheduler = Scheduler(self.engine)
+        self.socks = socks
+        self.reqs: dict[str, Any] = {}  # rid -> Req, until its last TokenOut is sent
+        self.sent: dict[str, int] = {}  # rid -> output tokens already sent
+        self.rid_of: dict[int, str] = {}  # Req.rid -> the API's rid
+        self.want_logprobs: set[str] = set()
+
+    def info(self) -> dict[str, Any]:
+        e = self.engine
+        return {"max_model_len": e.max_model_len, "num_pages": e.allocator.capacity,
+                "page_size": self.scheduler.config.page_size,
+                "eos_token_ids": list(e.model_config.eos_token_ids)}
+
+    # -- messages in -------------------------------------------------------------------------
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, TokenizedReq):
+            self.add(msg)
+        elif isinstance(msg, Abort):
+            req = self.reqs.get(msg.rid)
+            if req is not None and not req.finished:
+                self.scheduler.abort(req.rid)
+                self.emit([req])
+        elif isinstance(msg, StatsQuery):
+            self.socks.send("detokenizer", Stats(qid=msg.qid, stats=self.stats()))
+
+    def add(self, msg: TokenizedReq) -> None:
+        from minisgl.core.request import Req
+        from minisgl.core.sampling_params import SamplingParams
+
+        n, limit = len(msg.input_ids), self.engine.max_model_len
+        p = msg.params
+        try:
+            if n >= limit:
+                raise ValueError(f"{msg.field}: the prompt has {n} tokens, which leaves no room "
+                                 f"to generate within the context length of {limit} tokens")
+            max_tokens = limit - n if p.max_tokens is None else p.max_tokens
+            if n + max_tokens > limit:
+                raise ValueError(f"max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) "
+                                 f"= {n + max_tokens} exceeds the context length of {limit} tokens")
+            sp = SamplingParams(
+                max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                min_p=p.min_p, repetition_penalty=p.repetition_penalty,
+                frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+                seed=p.seed, stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+                top_logprobs=p.top_logprobs)
+            req = Req(list(msg.input_ids), sp, frozenset(self.engine.model_config.eos_token_ids))
+            self.scheduler.validate(req)
+        except ValueError as e:
+            field = str(e).split(":", 1)[0]
+            param = msg.field if field == "prompt" else field
+            self.socks.send("detokenizer", Error(rid=msg.rid, status=400, message=str(e),
+                                                 param=param))
+            return
+        self.socks.send("detokenizer", Accepted(
+            rid=msg.rid, prompt_tokens=n, stop=msg.stop,
+            skip_special_tokens=msg.skip_special_tokens, logprobs=p.logprobs))
+        self.reqs[msg.rid] = req
+        self.sent[msg.rid] = 0
+        self.rid_of[req.rid] = msg.rid
+        if p.logprobs:
+            self.want_logprobs.add(msg.rid)
+        self.scheduler.add(req)
+
+    # -- messages out ------------------------------------------------------------------------
+    def emit(self, changed: list[Any]) -> None:
+        items = []
+        for req in changed:
+            rid = self.rid_of.get(req.rid)
+            if rid is None:
+                continue
+            start, end = self.sent[rid], len(req.output_ids)
+            for i in range(start, end):  # overlap: placeholders (< 0) at the end are in flight
+                if req.output_ids[i] < 0:
+                    end = i
+                    break
+            if end == start and not req.finished:
+                continue
+            lp = rid in self.want_logprobs
+            items.append(TokenOut(rid, req.output_ids[start:end],
+                                  req.output_logprobs[start:end] if lp else [],
+                                  req.output_top_logprobs[start:end] if lp else [],
+                                  req.finish_reason if req.finished else None, req.cached_tokens))
+            self.sent[rid] = end
+            if req.finished:
+                for table in (self.reqs, self.sent):
+                    del table[rid]
+                del self.rid_of[req.rid]
+                self.want_logprobs.discard(rid)
+        if items:
+            self.socks.send("detokenizer", TokenBatch(items=items))
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        try:
+            s.check_integrity()
+            integrity = "ok"
+        except AssertionError as e:
+            integrity = f"broken: {e}"
+        return {"running": len(s.running), "waiting": len(s.waiting),
+                "num_pages": self.engine.allocator.capacity,
+                "free_pages": self.engine.allocator.num_free,
+                "cached_pages": s.cache.evictable_pages,
+                "held_pages": len(s.kv.held_pages(s.running)),
+                "prompt_tokens": s.stats.prompt_tokens, "cached_tokens": s.stats.cached_tokens,
+                "computed_tokens": s.stats.computed_tokens, "retractions": s.stats.retractions,
+                "integrity": integrity}
+
+    # -- the loop ----------------------------------------------------------------------------
+    def loop(self) -> None:
+        while parent_alive():
+            busy = self.scheduler.has_work()
+            msg = self.socks.recv(0 if busy else POLL_MS)
+            while msg is not None:  # take everything that arrived before the next step
+                self.handle(msg)
+                msg = self.socks.recv(0)
+            if self.scheduler.has_work():
+                self.emit(self.scheduler.step())
+
+
+def run(ep: Endpoints, model_path: str, engine_kwargs: dict[str, Any]) -> None:
+    def body() -> None:
+        socks = Sockets(ep.scheduler, detokenizer=ep.detokenizer)
+        server = SchedulerServer(engine_kwargs, model_path, socks)
+        socks.send("detokenizer", Ready(process="scheduler", info=server.info()))
+        server.loop()
+
+    child_main("scheduler", ep.api, body)

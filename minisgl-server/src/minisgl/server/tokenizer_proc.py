@@ -1,0 +1,61 @@
+"""The tokenizer process: prompt text / chat messages -> token ids, in front of the scheduler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from minisgl.server.ipc import POLL_MS, Endpoints, Sockets, child_main, parent_alive
+from minisgl.server.messages import Abort, Error, GenerateReq, Ready, StatsQuery, TokenizedReq
+
+
+def load_tokenizer(model_path: str) -> Any:
+    """The model's HF tokenizer, or None for a checkpoint without one (token-id prompts only)."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any(os.path.exists(os.path.join(model_path, f)) for f in files):
+        return None
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def tokenize(tokenizer: Any, req: GenerateReq) -> list[int]:
+    """Raise ValueError("<field>: ...") when the prompt cannot be tokenized."""
+    if req.input_ids is not None:
+        return req.input_ids
+    if tokenizer is None:
+        raise ValueError(f"{req.field}: this model has no tokenizer; send token ids")
+    if req.messages is not None:
+        try:
+            ids = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
+                                                tokenize=True)
+        except Exception as e:  # the template itself may reject a conversation (jinja raise)
+            raise ValueError(f"messages: the chat template rejected them: {e}") from e
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers >= 5
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer.encode(req.text or ""))
+
+
+def run(ep: Endpoints, model_path: str) -> None:
+    def body() -> None:
+        tokenizer = load_tokenizer(model_path)
+        socks = Sockets(ep.tokenizer, scheduler=ep.scheduler, api=ep.api)
+        socks.send("api", Ready(process="tokenizer"))
+        while parent_alive():
+            msg = socks.recv(POLL_MS)
+            if isinstance(msg, GenerateReq):
+                try:
+                    ids = tokenize(tokenizer, msg)
+                except ValueError as e:
+                    field = str(e).split(":", 1)[0]
+                    socks.send("api", Error(rid=msg.rid, status=400, message=str(e), param=field))
+                    continue
+                socks.send("scheduler", TokenizedReq(
+                    rid=msg.rid, input_ids=ids, params=msg.params, stop=msg.stop,
+                    skip_special_tokens=msg.skip_special_tokens, field=msg.field))
+            elif isinstance(msg, (Abort, StatsQuery)):  # same path as requests: stays in order
+                socks.send("scheduler", msg)
+
+    child_main("tokenizer", ep.api, body)
