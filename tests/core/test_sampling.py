@@ -410,3 +410,88 @@ def test_logprobs_are_raw_log_softmax_at_chosen_token() -> None:
     ref = torch.log_softmax(logits.double(), dim=-1)
     expect = ref[torch.arange(batch), out.tokens].float()
     torch.testing.assert_close(out.logprobs, expect, rtol=1e-5, atol=1e-5)
+
+
+# -- top_logprobs -------------------------------------------------------------------------------
+
+
+def ref_top_logprobs(row: list[float], k: int) -> list[tuple[int, float]]:
+    """The k most likely (id, log-prob) pairs of a raw logit row, in float64 plain Python."""
+    m = max(row)
+    lse = m + math.log(sum(math.exp(x - m) for x in row))
+    order = sorted(range(len(row)), key=lambda i: -row[i])[:k]
+    return [(i, row[i] - lse) for i in order]
+
+
+def test_top_logprobs_mixed_k_match_float64_reference() -> None:
+    batch, vocab = 12, 64
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(12)) * 4
+    asks = [(0, 2, 5)[i % 3] for i in range(batch)]
+    kinds: list[dict[str, Any]] = [
+        {}, {"temperature": 0.0}, {"temperature": 0.5, "top_k": 3}, {"top_p": 0.3},
+        {"repetition_penalty": 1.8, "frequency_penalty": 1.0},  # top list still from raw logits
+        {"min_p": 0.2, "temperature": 1.5},
+    ]
+    reqs = [make_req(i, output=[int(logits[i].argmax()), 1], top_logprobs=k, **kinds[i % 6])
+            for i, k in enumerate(asks)]
+    out = sampler(vocab).sample(logits, reqs)
+    assert out.top_ids is not None and out.top_logprobs is not None
+    assert out.top_ids.shape == out.top_logprobs.shape == (batch, 5)  # K = max asked
+    assert out.top_ids.dtype == torch.int64 and out.top_logprobs.dtype == torch.float32
+    assert out.top_ids.device.type == "cpu" and out.top_logprobs.device.type == "cpu"
+    for b, k in enumerate(asks):
+        got = list(zip(out.top_ids[b].tolist(), out.top_logprobs[b].tolist()))
+        # every row carries K entries; the scheduler keeps the first top_logprobs of them
+        ref = ref_top_logprobs(logits[b].tolist(), 5)
+        for (gi, gl), (ri, rl) in zip(got[:k] if k else got, ref):
+            assert gi == ri
+            assert abs(gl - rl) <= 1e-5 * max(1.0, abs(rl)), (b, gi, gl, rl)
+        assert out.top_logprobs[b].tolist() == sorted(out.top_logprobs[b].tolist(), reverse=True)
+
+
+def test_chosen_token_logprob_matches_top_entry() -> None:
+    batch, vocab = 16, 100
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(13)) * 3
+    greedy = [make_req(temperature=0.0, top_logprobs=3) for _ in range(batch)]
+    out = sampler(vocab).sample(logits, greedy)
+    assert out.top_ids is not None and out.top_logprobs is not None
+    assert torch.equal(out.tokens, out.top_ids[:, 0])  # greedy picks the most likely token
+    torch.testing.assert_close(out.logprobs, out.top_logprobs[:, 0], rtol=0, atol=1e-6)
+    # sampled rows: wherever the chosen token is in the top list, the two log-probs agree
+    sampled = [make_req(i, temperature=2.0, top_logprobs=20) for i in range(batch)]
+    out = sampler(vocab).sample(logits, sampled)
+    assert out.top_ids is not None and out.top_logprobs is not None
+    hits = 0
+    for b in range(batch):
+        ids = out.top_ids[b].tolist()
+        if int(out.tokens[b]) in ids:
+            hits += 1
+            j = ids.index(int(out.tokens[b]))
+            assert abs(float(out.top_logprobs[b, j]) - float(out.logprobs[b])) <= 1e-6
+    assert hits > 0
+
+
+def test_top_logprobs_absent_when_not_asked_and_skip_padding() -> None:
+    logits = torch.randn(3, 12, generator=torch.Generator().manual_seed(14))
+    out = sampler(12).sample(logits, [make_req(i) for i in range(3)])
+    assert out.top_ids is None and out.top_logprobs is None
+    logits[:, 8:] = 100.0  # padding columns past the real vocabulary of 8
+    out = sampler(8).sample(logits, [make_req(0, top_logprobs=6), make_req(1), make_req(2)])
+    assert out.top_ids is not None and out.top_ids.shape == (3, 6)
+    assert bool((out.top_ids < 8).all())
+    assert out.top_ids[0].tolist() == [i for i, _ in ref_top_logprobs(logits[0, :8].tolist(), 6)]
+
+
+def test_top_logprobs_larger_than_vocab_returns_whole_vocab() -> None:
+    logits = torch.randn(2, 8, generator=torch.Generator().manual_seed(15))
+    out = sampler(8).sample(logits, [make_req(0, top_logprobs=20), make_req(1)])
+    assert out.top_ids is not None and out.top_ids.shape == (2, 8)
+    assert set(out.top_ids[0].tolist()) == set(range(8))
+
+
+def test_top_logprobs_validation() -> None:
+    for bad in (-1, 21):
+        with pytest.raises(ValueError, match="top_logprobs"):
+            SamplingParams(top_logprobs=bad)
+    assert SamplingParams(top_logprobs=0).top_logprobs == 0
+    assert SamplingParams(top_logprobs=20).top_logprobs == 20

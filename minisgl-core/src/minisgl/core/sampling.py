@@ -168,7 +168,7 @@ class TorchSampler(Sampler):
         lse = raw.logsumexp(dim=-1, keepdim=True)
         logprobs = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse.squeeze(1)
         out = SampleOutput(tokens.cpu(), logprobs.cpu())
-        k = max(r.params.top_logprobs for r in reqs)
+        k = min(max(r.params.top_logprobs for r in reqs), self.vocab_size)
         if k > 0:
             top, ids = raw.topk(k, dim=-1)
             out.top_ids, out.top_logprobs = ids.cpu(), (top - lse).cpu()

@@ -12,6 +12,9 @@ Workloads (``--scale`` multiplies every length, ``--num-requests`` the request c
   questions, 32 output tokens, all at once: throughput and mean TTFT with the radix cache, with
   ``--cache naive`` (system ``minisgl-naive``), and HF (bench_prefix.py).
 
+* ``online``: the HTTP server (``minisgl serve``, started with the engine flags, or ``--url``)
+  under 1, 8 and 32 concurrent streaming clients; server over offline throughput (bench_serve.py).
+
 ``--vs-overlap`` adds a ``minisgl-overlap`` system (overlap scheduling forced on; the CPU default
 is off) to offline-mixed and latency.
 
@@ -34,7 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-WORKLOADS = ("offline-mixed", "latency", "shared-prefix")
+WORKLOADS = ("offline-mixed", "latency", "shared-prefix", "online")
 
 
 # ---------------------------------------------------------------------------- records
@@ -428,6 +431,12 @@ def _run_workloads(args: argparse.Namespace, workloads: Sequence[str], systems: 
             pairs = [(s.name, s.llm if isinstance(s, MinisglSystem) else s) for s in systems
                      if s.name != "minisgl-overlap"]
             rows += bench_shared_prefix(pairs, ids, args.scale, args.repeats or 1, args.data_seed)
+        elif name == "online":
+            from minisgl.server.bench_serve import bench_online
+
+            for s in systems:
+                if s.name == "minisgl" and isinstance(s, MinisglSystem):
+                    rows += bench_online(args, s, list(ids))
         else:
             rows += bench_latency(systems, ids, args.scale, args.repeats or 3, args.data_seed,
                                   cost, ceilings)
@@ -496,4 +505,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--data-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--concurrency", default="1,8,32",
+                   help="online: concurrent client counts (comma-separated)")
+    p.add_argument("--url", default=None,
+                   help="online: benchmark this running server instead of starting one")
     p.set_defaults(func=cmd_bench)

@@ -82,6 +82,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             max_body_bytes=args.max_body_bytes, log_level=args.log_level))
 
 
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ``args`` again, for a ``minisgl serve`` started by another command."""
+    argv = ["--model", args.model]
+    for key, value in engine_kwargs(args).items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def cmd_shell(args: argparse.Namespace) -> int:
+    from minisgl.server import shell
+
+    params = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    return shell.run(args.url, engine_flags(args), params, args.api_key)
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=1919)
@@ -117,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_server_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("shell", help="chat interactively (with a server at --url, or one it starts)")
+    add_engine_args(p)
+    p.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:1919 "
+                   "(default: start one in the background with the engine flags)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.set_defaults(func=cmd_shell)
 
     from minisgl.server import bench
 
