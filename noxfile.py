@@ -1,7 +1,8 @@
 """The test matrix and the user-facing sessions.
 
     nox                      # everything CI runs: per-package tests x attention backend, lint, typecheck, smoke
-    nox -s demo              # the main job: chat with the bundled SmolLM2 on this machine
+    nox -s serve             # the main job: serve the bundled SmolLM2 on http://127.0.0.1:1919
+    nox -s demo              # one chat answer from the offline engine
     nox -s bench             # minisgl vs HF transformers (numbers, not tests)
 
 Python 3.11 is the interpreter with a local CPU torch wheel here; set MINISGL_NOX_PYTHONS=3.11,3.12
@@ -18,7 +19,7 @@ PYTHONS = os.environ.get("MINISGL_NOX_PYTHONS", "3.11").split(",")
 TORCH = os.environ.get("MINISGL_TORCH", "torch==2.13.0")
 BACKENDS = ["torch"]  # attention backends testable on CPU
 PACKAGES = ["minisgl-core", "minisgl-models", "minisgl-backends", "minisgl-server"]
-TEST_DEPS = ["pytest", "hypothesis", "gguf>=0.10", "accelerate>=1.0"]
+TEST_DEPS = ["pytest", "hypothesis", "gguf>=0.10", "accelerate>=1.0", "openai>=1.40", "httpx"]
 ENV = {"MINISGL_STRICT_PLUGINS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 nox.options.sessions = ["tests", "lint", "typecheck", "smoke"]
@@ -70,6 +71,14 @@ def smoke(session: nox.Session) -> None:
     session.run("minisgl", "plugins", env=ENV)
     session.run("minisgl", "generate", "--chat", "--max-tokens", "24",
                 "What is the capital of France?", env=ENV)
+
+
+@nox.session(python=PYTHONS[0])
+def serve(session: nox.Session) -> None:
+    """The main job: serve the bundled SmolLM2 (OpenAI API) on 127.0.0.1:1919; posargs go to
+    `minisgl serve` (e.g. `nox -s serve -- --port 8000 --api-key secret`)."""
+    install(session)
+    session.run("minisgl", "serve", *session.posargs, env=ENV)
 
 
 @nox.session(python=PYTHONS[0])

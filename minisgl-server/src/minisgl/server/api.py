@@ -24,10 +24,27 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from minisgl.server.ipc import Endpoints
-from minisgl.server.messages import (Abort, Error, Fatal, GenerateReq, Ready, Stats, StatsQuery,
-                                     TextOut, decode, encode)
-from minisgl.server.protocol import (APIError, ModelInfo, Parsed, parse_chat, parse_completion,
-                                     parse_generate)
+from minisgl.server.messages import (
+    Abort,
+    Error,
+    Fatal,
+    GenerateReq,
+    Ready,
+    Stats,
+    StatsQuery,
+    TextBatch,
+    TextOut,
+    decode,
+    encode,
+)
+from minisgl.server.protocol import (
+    APIError,
+    ModelInfo,
+    Parsed,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+)
 
 
 class Pipeline:
@@ -61,7 +78,12 @@ class Pipeline:
     async def receive_forever(self) -> None:
         while True:
             msg = decode(await self.pull.recv())
-            if isinstance(msg, (TextOut, Error)):
+            if isinstance(msg, TextBatch):
+                for out in msg.items:
+                    queue = self.queues.get(out.rid)
+                    if queue is not None:
+                        queue.put_nowait(out)
+            elif isinstance(msg, Error):
                 queue = self.queues.get(msg.rid)
                 if queue is not None:
                     queue.put_nowait(msg)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any

@@ -7,8 +7,19 @@ from typing import Any
 
 from minisgl.server.detokenize import TextStream, token_text
 from minisgl.server.ipc import POLL_MS, Endpoints, Sockets, child_main, parent_alive
-from minisgl.server.messages import (Abort, Accepted, Error, Fatal, LogprobEntry, Ready, Stats,
-                                     TextOut, TokenBatch, TokenOut)
+from minisgl.server.messages import (
+    Abort,
+    Accepted,
+    Error,
+    Fatal,
+    LogprobEntry,
+    Ready,
+    Stats,
+    TextBatch,
+    TextOut,
+    TokenBatch,
+    TokenOut,
+)
 from minisgl.server.tokenizer_proc import load_tokenizer
 
 
@@ -32,18 +43,19 @@ class Detokenizer:
                 self.tokenizer, msg.stop, msg.skip_special_tokens)
             self.states[msg.rid] = _State(text, msg.prompt_tokens, msg.logprobs)
         elif isinstance(msg, TokenBatch):
-            for item in msg.items:
-                self.output(item)
+            outs = [out for item in msg.items if (out := self.output(item)) is not None]
+            if outs:
+                self.socks.send("api", TextBatch(items=outs))
         elif isinstance(msg, Error):
             self.states.pop(msg.rid, None)
             self.socks.send("api", msg)
         elif isinstance(msg, (Ready, Stats, Fatal)):
             self.socks.send("api", msg)
 
-    def output(self, item: TokenOut) -> None:
+    def output(self, item: TokenOut) -> TextOut | None:
         st = self.states.get(item.rid)
         if st is None:  # finished here already (stop string); the scheduler's last word
-            return
+            return None
         ids, finish = list(item.token_ids), item.finish_reason
         delta = ""
         if st.text is not None:
@@ -63,12 +75,11 @@ class Detokenizer:
                     token_text(self.tokenizer, tok), lp,
                     [(token_text(self.tokenizer, t), v) for t, v in top]))
         st.tokens += len(ids)
-        self.socks.send("api", TextOut(
-            rid=item.rid, text=delta, token_ids=ids, logprobs=entries, finish_reason=finish,
-            prompt_tokens=st.prompt_tokens, completion_tokens=st.tokens,
-            cached_tokens=item.cached_tokens))
         if finish is not None:
             del self.states[item.rid]
+        return TextOut(rid=item.rid, text=delta, token_ids=ids, logprobs=entries,
+                       finish_reason=finish, prompt_tokens=st.prompt_tokens,
+                       completion_tokens=st.tokens, cached_tokens=item.cached_tokens)
 
 
 def run(ep: Endpoints, model_path: str) -> None:

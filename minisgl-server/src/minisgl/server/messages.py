@@ -3,7 +3,7 @@
 Flow (one rank)::
 
     API --GenerateReq/Abort/StatsQuery--> tokenizer --TokenizedReq/Abort/StatsQuery--> scheduler
-    scheduler --Accepted/TokenBatch/Error/Ready/Stats--> detokenizer --TextOut/Error/Ready/Stats--> API
+    scheduler --Accepted/TokenBatch/Error/Ready/Stats--> detokenizer --TextBatch/Error/Ready/Stats--> API
     detokenizer --Abort (a stop string matched)--> scheduler
     tokenizer --Error/Ready--> API;  any process --Fatal--> API (it is about to exit)
 
@@ -120,6 +120,12 @@ class TextOut(Msg, kw_only=True):
     cached_tokens: int = 0
 
 
+class TextBatch(Msg, kw_only=True):
+    """detokenizer -> API: the TextOuts of one scheduler step, in one message."""
+
+    items: list[TextOut]
+
+
 class Error(Msg, kw_only=True):
     """A request that cannot run: the API answers it with ``status`` and OpenAI's error body."""
 
@@ -148,8 +154,8 @@ class Fatal(Msg, kw_only=True):
     message: str
 
 
-AnyMsg = (GenerateReq | TokenizedReq | Abort | StatsQuery | Accepted | TokenBatch | TextOut | Error
-          | Ready | Stats | Fatal)
+AnyMsg = (GenerateReq | TokenizedReq | Abort | StatsQuery | Accepted | TokenBatch | TextOut
+          | TextBatch | Error | Ready | Stats | Fatal)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(AnyMsg)

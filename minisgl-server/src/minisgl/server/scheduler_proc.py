@@ -5,8 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from minisgl.server.ipc import POLL_MS, Endpoints, Sockets, child_main, parent_alive
-from minisgl.server.messages import (Abort, Accepted, Error, Ready, Stats, StatsQuery,
-                                     TokenBatch, TokenizedReq, TokenOut)
+from minisgl.server.messages import (
+    Abort,
+    Accepted,
+    Error,
+    Ready,
+    Stats,
+    StatsQuery,
+    TokenBatch,
+    TokenizedReq,
+    TokenOut,
+)
 
 
 class SchedulerServer:
