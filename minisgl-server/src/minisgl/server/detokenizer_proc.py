@@ -43,7 +43,18 @@ class Detokenizer:
                 self.tokenizer, msg.stop, msg.skip_special_tokens)
             self.states[msg.rid] = _State(text, msg.prompt_tokens, msg.logprobs)
         elif isinstance(msg, TokenBatch):
-            outs = [out for item in msg.items if (out := self.output(item)) is not None]
+            outs = []
+            for item in msg.items:
+                try:
+                    out = self.output(item)
+                except Exception as e:  # one request's text went wrong: fail it, keep serving
+                    self.states.pop(item.rid, None)
+                    self.socks.send("scheduler", Abort(rid=item.rid))
+                    self.socks.send("api", Error(rid=item.rid, status=500,
+                                                 message=f"detokenization failed: {e!r}"))
+                    continue
+                if out is not None:
+                    outs.append(out)
             if outs:
                 self.socks.send("api", TextBatch(items=outs))
         elif isinstance(msg, Error):

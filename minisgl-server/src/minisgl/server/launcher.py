@@ -119,7 +119,10 @@ def serve(args: ServerArgs) -> int:
     from minisgl.core.bundled import resolve_model
     from minisgl.core.config import EngineConfig
 
+    from minisgl.core.plugins import get_plugin_manager
+
     EngineConfig(model=args.model, **args.engine)  # bad options fail here, before any process
+    get_plugin_manager()  # every process loads the plugins itself; a broken one fails here too
     started = time.perf_counter()
     path = resolve_model(args.model)  # the bundled model is converted once, here
     served = args.served_model_name or args.model

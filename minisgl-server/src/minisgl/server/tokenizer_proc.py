@@ -52,6 +52,10 @@ def run(ep: Endpoints, model_path: str) -> None:
                     field = str(e).split(":", 1)[0]
                     socks.send("api", Error(rid=msg.rid, status=400, message=str(e), param=field))
                     continue
+                except Exception as e:  # a tokenizer bug must not take the deployment down
+                    socks.send("api", Error(rid=msg.rid, status=500,
+                                            message=f"tokenization failed: {e!r}"))
+                    continue
                 socks.send("scheduler", TokenizedReq(
                     rid=msg.rid, input_ids=ids, params=msg.params, stop=msg.stop,
                     skip_special_tokens=msg.skip_special_tokens, field=msg.field))

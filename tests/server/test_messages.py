@@ -1,0 +1,53 @@
+"""The inter-process messages: msgpack round trips, tags, versions, and no pickle."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from minisgl.server import messages as m
+
+
+def examples() -> list[m.Msg]:
+    params = m.Params(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_token_ids=[2],
+                      top_logprobs=2, logprobs=True)
+    out = m.TextOut(rid="r", text="é", token_ids=[1, 2],
+                    logprobs=[m.LogprobEntry("a", -0.5, [("a", -0.5), ("b", -1.0)])],
+                    finish_reason="stop", prompt_tokens=3, completion_tokens=2, cached_tokens=1)
+    return [
+        m.GenerateReq(rid="r", messages=[{"role": "user", "content": "hi"}], params=params,
+                      stop=["\n"], field="messages"),
+        m.TokenizedReq(rid="r", input_ids=[1, 2, 3], params=params),
+        m.Abort(rid="r"), m.StatsQuery(qid="q"),
+        m.Accepted(rid="r", prompt_tokens=3, stop=["x"], logprobs=True),
+        m.TokenBatch(items=[m.TokenOut("r", [5], [-0.1], [[(5, -0.1), (6, -2.0)]], None, 0)]),
+        out, m.TextBatch(items=[out]),
+        m.Error(rid="r", status=400, message="temperature: must be >= 0", param="temperature"),
+        m.Ready(process="scheduler", info={"max_model_len": 512}), m.Stats(qid="q", stats={"a": 1}),
+        m.Fatal(process="tokenizer", message="boom"),
+    ]
+
+
+@pytest.mark.parametrize("msg", examples(), ids=lambda msg: type(msg).__name__)
+def test_round_trip(msg: m.Msg) -> None:
+    data = m.encode(msg)
+    assert b"\x80\x04" not in data[:2]  # not a pickle stream
+    back = m.decode(data)
+    assert type(back) is type(msg) and back == msg
+
+
+def test_tag_names_the_type() -> None:
+    raw = msgspec.msgpack.decode(m.encode(m.Abort(rid="x")))
+    assert raw == {"type": "Abort", "v": m.VERSION, "rid": "x"}
+
+
+def test_other_version_is_refused() -> None:
+    data = msgspec.msgpack.encode({"type": "Abort", "v": m.VERSION + 1, "rid": "x"})
+    with pytest.raises(ValueError, match="version"):
+        m.decode(data)
+
+
+def test_wrong_field_type_is_refused() -> None:
+    data = msgspec.msgpack.encode({"type": "Abort", "v": m.VERSION, "rid": 5})
+    with pytest.raises(msgspec.ValidationError):
+        m.decode(data)
