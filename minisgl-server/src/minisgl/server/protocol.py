@@ -242,16 +242,19 @@ def parse_generate(body: Any, info: ModelInfo) -> Parsed:
     sp = b.get("sampling_params") or {}
     if not isinstance(sp, dict):
         raise _bad("sampling_params", "must be an object", sp)
-    # the sampling fields live in their own object; reuse the OpenAI parsing for them
-    inner = {k: v for k, v in sp.items() if k not in ("model", "stream", "stream_options", "n")}
-    inner["stream"] = b.get("stream")
-    try:
-        out = _common(_Body(inner), info, default_max_tokens=None)
+    inner = _Body({k: v for k, v in sp.items() if k not in ("model", "stream", "stream_options")})
+    try:  # the sampling fields are OpenAI's, one level down
+        out = _common(inner, info, default_max_tokens=None)
+        if out.n != 1:
+            raise _bad("n", "must be 1 on /generate", out.n)
+        top = inner.int("top_logprobs", 0, 20)
+        out.logprobs = bool(inner.bool("logprobs")) or bool(top)
     except APIError as e:
-        if e.param and e.param != "stream":
-            e.param = f"sampling_params.{e.param}"
-            e.message = f"sampling_params.{e.message}"
+        if e.param is not None:
+            e.message, e.param = f"sampling_params.{e.message}", f"sampling_params.{e.param}"
         raise
+    out.params.top_logprobs, out.params.logprobs = top or 0, out.logprobs
+    out.stream = bool(b.bool("stream"))
     text, ids = b.get("text"), b.get("input_ids")
     if (text is None) == (ids is None):
         raise APIError(400, "exactly one of text and input_ids must be given", "text")
@@ -259,8 +262,4 @@ def parse_generate(body: Any, info: ModelInfo) -> Parsed:
         raise _bad("text", "must be a string", text)
     out.prompts = [{"text": text, "field": "text"} if text is not None
                    else {"input_ids": b.token_ids("input_ids", ids), "field": "input_ids"}]
-    top = _Body(sp).int("top_logprobs", 0, 20)
-    out.logprobs = bool(_Body(sp).bool("logprobs")) or bool(top)
-    out.params.top_logprobs = top or 0
-    out.params.logprobs = out.logprobs
     return out

@@ -75,10 +75,11 @@ class SchedulerServer:
             req = Req(list(msg.input_ids), sp, frozenset(self.engine.model_config.eos_token_ids))
             self.scheduler.validate(req)
         except ValueError as e:
-            field = str(e).split(":", 1)[0]
-            param = msg.field if field == "prompt" else field
-            self.socks.send("detokenizer", Error(rid=msg.rid, status=400, message=str(e),
-                                                 param=param))
+            field, _, rest = str(e).partition(":")
+            if field == "prompt":  # name the field the client sent (messages, input_ids, ...)
+                field = msg.field
+            self.socks.send("detokenizer", Error(rid=msg.rid, status=400,
+                                                 message=f"{field}:{rest}", param=field))
             return
         self.socks.send("detokenizer", Accepted(
             rid=msg.rid, prompt_tokens=n, stop=msg.stop,
