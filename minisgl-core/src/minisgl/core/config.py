@@ -137,6 +137,7 @@ class EngineConfig:
     seed: int = 0
     tp_rank: int = 0
     tp_size: int = 1
+    dist_timeout: float = 300.0  # seconds a TP collective may wait before it is an error
 
     def __post_init__(self) -> None:
         checks = [
@@ -148,6 +149,7 @@ class EngineConfig:
             ("max_prefill_tokens", self.max_prefill_tokens >= 1, "must be >= 1"),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, "must be >= 2"),
             ("tp_size", self.tp_size >= 1 and 0 <= self.tp_rank < self.tp_size, "bad tp rank/size"),
+            ("dist_timeout", self.dist_timeout > 0, "must be > 0 seconds"),
         ]
         for name, ok, why in checks:
             if not ok:

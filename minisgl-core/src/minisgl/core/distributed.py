@@ -1,4 +1,5 @@
-"""The Communicator interface for tensor parallelism, and its single-rank implementation.
+"""Tensor-parallel communication: the Communicator interface, its single-rank identity, the
+torch.distributed implementation, and the control channel that keeps the ranks in lockstep.
 
 Layers take a communicator and call it unconditionally; with one rank every collective is the
 identity, so the same model code runs at TP=1 and TP=N.
@@ -6,7 +7,12 @@ identity, so the same model code runs at TP=1 and TP=N.
 
 from __future__ import annotations
 
+import datetime
+import json
+from typing import Any
+
 import torch
+import torch.distributed as dist
 
 
 class Communicator:
@@ -30,3 +36,96 @@ class Communicator:
         """Make every rank's ``x`` equal to rank ``src``'s."""
         assert self.world_size == 1, "single-rank communicator used with world_size > 1"
         return x
+
+
+class TorchCommunicator(Communicator):
+    """Collectives over a torch.distributed process group (gloo on CPU, NCCL on GPU).
+
+    The group is an explicit object, not torch.distributed's global default group, so one process
+    can hold several engines (tests, notebooks) and nothing global has to be torn down.
+    """
+
+    def __init__(self, group: Any, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size)
+        self.group = group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.group.allreduce([x]).wait()
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        self.group.allgather([parts], [x]).wait()
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.group.broadcast([x], opts).wait()
+        return x
+
+
+class ControlChannel:
+    """Rank 0 -> every rank: one JSON message per scheduler iteration (never pickle).
+
+    A fixed-size first chunk carries the length and, almost always, the whole message, so a step
+    costs one small broadcast; a longer message (a batch of long prompts) follows in a second one.
+    """
+
+    CHUNK = 16384
+
+    def __init__(self, group: Any, rank: int) -> None:
+        self.group, self.rank = group, rank
+
+    def _bcast(self, t: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.group.broadcast([t], opts).wait()
+
+    def send(self, obj: Any) -> None:
+        assert self.rank == 0, "only rank 0 sends control messages"
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        head = torch.zeros(self.CHUNK, dtype=torch.uint8)
+        head[:8] = torch.tensor(list(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+        first = data[: self.CHUNK - 8]
+        head[8: 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        self._bcast(head)
+        if len(data) > len(first):
+            self._bcast(torch.frombuffer(bytearray(data[len(first):]), dtype=torch.uint8))
+
+    def recv(self) -> Any:
+        head = torch.empty(self.CHUNK, dtype=torch.uint8)
+        self._bcast(head)
+        n = int.from_bytes(bytes(head[:8].tolist()), "little")
+        data = bytes(head[8: 8 + min(n, self.CHUNK - 8)].numpy())
+        if n > len(data):
+            rest = torch.empty(n - len(data), dtype=torch.uint8)
+            self._bcast(rest)
+            data += bytes(rest.numpy())
+        return json.loads(data)
+
+
+def connect(rank: int, world_size: int, addr: str, device: torch.device,
+            timeout_s: float) -> tuple[TorchCommunicator, ControlChannel]:
+    """Join the group of ``world_size`` ranks that meets at ``addr`` ("host:port"; rank 0 listens).
+
+    Tensors go through gloo (CPU) or NCCL (CUDA) with ``timeout_s`` per collective: a rank that
+    dies or hangs surfaces as an error on the others instead of a hang (a dead peer is usually seen
+    at once: its sockets close). Control messages use a second gloo group without a practical
+    timeout, because ranks wait there while the deployment is idle.
+    """
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"dist_init_addr: expected host:port (got {addr!r})")
+    store = dist.TCPStore(host, int(port), world_size, rank == 0,
+                          timeout=datetime.timedelta(seconds=max(timeout_s, 60.0)))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    data_store = dist.PrefixStore("data", store)
+    if device.type == "cuda":
+        group = dist.ProcessGroupNCCL(data_store, rank, world_size)
+    else:
+        group = dist.ProcessGroupGloo(data_store, rank, world_size, timeout)
+    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size,
+                                    datetime.timedelta(days=30))
+    return TorchCommunicator(group, rank, world_size), ControlChannel(control, rank)

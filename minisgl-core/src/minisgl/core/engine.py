@@ -132,8 +132,27 @@ class Engine:
         logits = self.forward(inputs)
         if logits.shape[0] == 0:
             return None
-        views = [r.sampling_view(self.resolve) if r.params.has_penalties else r
-                 for r in sample_reqs]
-        out = self.sampler.sample(logits, views)
+        if self.comm.rank == 0:
+            views = [r.sampling_view(self.resolve) if r.params.has_penalties else r
+                     for r in sample_reqs]
+            out = self.sampler.sample(logits, views)
+        if self.comm.world_size > 1:  # rank 0 samples; every rank gets the same tokens
+            out = self._broadcast_sample(out if self.comm.rank == 0 else None, sample_reqs)
         self.future[torch.tensor(future_slots, device=self.device)] = out.tokens.to(self.device)
         return out
+
+    def _broadcast_sample(self, out: SampleOutput | None, reqs: list[Req]) -> SampleOutput:
+        """Rank 0's SampleOutput on every rank, packed in one float64 tensor [B, 2 + 2K]
+        (token ids are exact in float64)."""
+        k = min(max(r.params.top_logprobs for r in reqs), self.model_config.vocab_size)
+        packed = torch.empty(len(reqs), 2 + 2 * k, dtype=torch.float64)
+        if out is not None:
+            packed[:, 0], packed[:, 1] = out.tokens, out.logprobs
+            if k:
+                assert out.top_ids is not None and out.top_logprobs is not None
+                packed[:, 2: 2 + k], packed[:, 2 + k:] = out.top_ids, out.top_logprobs
+        packed = self.comm.broadcast(packed.to(self.device), src=0).cpu()
+        res = SampleOutput(packed[:, 0].long(), packed[:, 1].float())
+        if k:
+            res.top_ids, res.top_logprobs = packed[:, 2: 2 + k].long(), packed[:, 2 + k:].float()
+        return res

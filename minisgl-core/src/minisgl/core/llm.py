@@ -13,7 +13,7 @@ from minisgl.core.config import EngineConfig
 from minisgl.core.engine import Engine
 from minisgl.core.request import Req
 from minisgl.core.sampling_params import SamplingParams
-from minisgl.core.scheduler import Scheduler
+from minisgl.core.tp import Lockstep, check_tp_split, free_addr, run_rank, start_rank
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -40,17 +40,39 @@ class LLM:
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].text
     """
 
-    def __init__(self, model: str = "smollm2", dtype: str = "auto", **kwargs: Any) -> None:
+    def __init__(self, model: str = "smollm2", dtype: str = "auto", tp: int = 1,
+                 **kwargs: Any) -> None:
         from transformers import AutoTokenizer
 
-        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"tp_rank", "tp_size"}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise TypeError(f"LLM got unknown options {unknown}; known: {sorted(known)}")
+            raise TypeError(f"LLM got unknown options {unknown}; known: {sorted(known | {'tp'})}")
         path = resolve_model(model)
-        self.config = EngineConfig(model=path, dtype=dtype, **kwargs)
-        self.engine = Engine(self.config)
-        self.scheduler = Scheduler(self.engine)
+        self.config = EngineConfig(model=path, dtype=dtype, tp_size=tp, **kwargs)
+        self._workers: list[Any] = []
+        addr = ""
+        if tp > 1:  # ranks 1..tp-1 in child processes; this process is rank 0
+            import multiprocessing as mp
+
+            from minisgl.core.config import ModelConfig
+
+            check_tp_split(ModelConfig.from_pretrained(path), tp)
+            addr = free_addr()
+            ctx = mp.get_context("spawn")
+            for rank in range(1, tp):
+                cfg = dataclasses.replace(self.config, tp_rank=rank)
+                proc = ctx.Process(target=run_rank, args=(cfg, addr), name=f"minisgl-rank{rank}",
+                                   daemon=True)
+                proc.start()
+                self._workers.append(proc)
+        try:
+            scheduler, channel = start_rank(self.config, addr)
+        except BaseException:
+            self._stop_workers()
+            raise
+        self.engine: Engine = scheduler.engine
+        self.scheduler: Any = Lockstep(scheduler, channel)
         # checkpoints without tokenizer files (tiny test models) still take token-id prompts
         has_tok = any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)
         self.tokenizer = AutoTokenizer.from_pretrained(path) if has_tok else None
@@ -111,8 +133,20 @@ class LLM:
 
     # -- public API --------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the forward worker thread (overlap scheduling). The LLM is unusable after."""
-        self.scheduler.close()
+        """Stop the forward worker thread (overlap scheduling) and the other TP ranks. The LLM
+        is unusable after."""
+        try:
+            self.scheduler.close()
+        finally:
+            self._stop_workers()
+
+    def _stop_workers(self, timeout: float = 10.0) -> None:
+        for proc in self._workers:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+        self._workers = []
 
     def __enter__(self) -> LLM:
         return self

@@ -1,0 +1,159 @@
+"""Tensor parallelism: N rank processes, each a Scheduler + Engine with 1/N of the weights.
+
+Rank 0 takes the requests. Before each step it broadcasts what changed since the last one (requests
+added, aborted) over the control channel; every other rank applies the same changes to its own
+scheduler and runs the same step. Schedulers are deterministic given the same inputs, and the
+sampled tokens are the same on every rank by construction: rank 0 samples and broadcasts them
+(Engine.run). So every rank builds the same batch, with the same KV slots, at every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from typing import Any
+
+from minisgl.core.config import EngineConfig, ModelConfig
+from minisgl.core.distributed import ControlChannel, connect
+from minisgl.core.request import Req
+from minisgl.core.sampling_params import SamplingParams
+from minisgl.core.scheduler import Scheduler
+
+
+def check_tp_split(mc: ModelConfig, tp: int) -> None:
+    """Fail before any process starts when the model cannot be split ``tp`` ways."""
+    if tp < 1:
+        raise ValueError(f"tp: must be >= 1 (got {tp})")
+    problems = []
+    if mc.num_heads % tp:
+        problems.append(f"num_attention_heads ({mc.num_heads}) is not divisible by tp ({tp})")
+    kv = mc.num_kv_heads
+    if kv >= tp and kv % tp:
+        problems.append(f"num_key_value_heads ({kv}) is not divisible by tp ({tp})")
+    if kv < tp and tp % kv:
+        problems.append(f"tp ({tp}) is not a multiple of num_key_value_heads ({kv}), so KV "
+                        "heads cannot be replicated evenly")
+    if mc.intermediate_size % tp:
+        problems.append(f"intermediate_size ({mc.intermediate_size}) is not divisible by tp ({tp})")
+    if problems:
+        raise ValueError(f"tp: {mc.path} cannot be split {tp} ways: " + "; ".join(problems))
+
+
+def free_addr(host: str = "127.0.0.1") -> str:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"{host}:{s.getsockname()[1]}"
+
+
+def _params_dict(p: SamplingParams) -> dict[str, Any]:
+    return dataclasses.asdict(p)
+
+
+class Lockstep:
+    """Rank 0's view of the scheduler at TP > 1: records add/abort and sends them to the other
+    ranks with the next step. At TP = 1 (no channel) it is a thin pass-through."""
+
+    def __init__(self, scheduler: Scheduler, channel: ControlChannel | None) -> None:
+        self.scheduler = scheduler
+        self.channel = channel
+        self.pending: list[dict[str, Any]] = []
+
+    def add(self, req: Req) -> None:
+        self.scheduler.add(req)
+        if self.channel is not None:
+            self.pending.append({"op": "add", "rid": req.rid, "prompt": req.prompt_ids,
+                                 "params": _params_dict(req.params)})
+
+    def abort(self, rid: int) -> Req | None:
+        req = self.scheduler.abort(rid)
+        if self.channel is not None and req is not None:
+            self.pending.append({"op": "abort", "rid": rid})
+        return req
+
+    def clear_cache(self) -> None:
+        self.scheduler.clear_cache()
+        if self.channel is not None:
+            self.pending.append({"op": "clear_cache"})
+
+    def step(self) -> list[Req]:
+        self.sync(step=True)
+        return self.scheduler.step()
+
+    def drain(self) -> list[Req]:
+        if self.channel is not None:
+            self.sync(drain=True)
+        return self.scheduler.drain()
+
+    def sync(self, step: bool = False, drain: bool = False) -> None:
+        """Send what changed (and whether a step or drain follows). Also the idle heartbeat."""
+        if self.channel is None:
+            return
+        ops = self.pending + ([{"op": "step"}] if step else []) + ([{"op": "drain"}] if drain else [])
+        self.pending = []
+        self.channel.send(ops)
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.send(self.pending + [{"op": "exit"}])
+            self.pending = []
+            self.channel = None
+        self.scheduler.close()
+
+    def __getattr__(self, name: str) -> Any:  # validate, has_work, stats, ... of the scheduler
+        return getattr(self.scheduler, name)
+
+
+def follow(scheduler: Scheduler, channel: ControlChannel) -> None:
+    """A rank > 0: apply rank 0's changes and run the same steps until told to exit."""
+    eos = frozenset(scheduler.engine.model_config.eos_token_ids)
+    while True:
+        for op in channel.recv():
+            kind = op["op"]
+            if kind == "add":
+                scheduler.add(Req(op["prompt"], SamplingParams(**op["params"]), eos, rid=op["rid"]))
+            elif kind == "abort":
+                scheduler.abort(op["rid"])
+            elif kind == "step":
+                scheduler.step()
+            elif kind == "drain":
+                scheduler.drain()
+            elif kind == "clear_cache":
+                scheduler.clear_cache()
+            elif kind == "exit":
+                scheduler.close()
+                return
+
+
+def start_rank(config: EngineConfig, addr: str) -> tuple[Scheduler, ControlChannel | None]:
+    """This process's rank of the group: connect, load its slice of the model, build a scheduler."""
+    from minisgl.core.engine import Engine
+
+    if config.tp_size == 1:
+        return Scheduler(Engine(config)), None
+    comm, channel = connect(config.tp_rank, config.tp_size, addr, config.torch_device,
+                            config.dist_timeout)
+    return Scheduler(Engine(config, comm)), channel
+
+
+def run_rank(config: EngineConfig, addr: str) -> None:
+    """Entry point of a rank > 0 process (offline LLM or server)."""
+    _die_with_parent()
+    scheduler, channel = start_rank(config, addr)
+    assert channel is not None
+    follow(scheduler, channel)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel SIGTERMs this rank when the process that started it dies."""
+    import ctypes
+    import signal
+    import sys
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's (or the launcher's) job
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+        except OSError:
+            pass
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
