@@ -138,14 +138,15 @@ def start_rank(config: EngineConfig, addr: str) -> tuple[Scheduler, ControlChann
 
 def run_rank(config: EngineConfig, addr: str) -> None:
     """Entry point of a rank > 0 process (offline LLM or server)."""
-    _die_with_parent()
+    die_with_parent()
     scheduler, channel = start_rank(config, addr)
     assert channel is not None
     follow(scheduler, channel)
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel SIGTERMs this rank when the process that started it dies."""
+def die_with_parent() -> None:
+    """For a child process: ignore Ctrl-C (the parent handles it) and, on Linux, have the kernel
+    SIGTERM this process when its parent dies, even by SIGKILL."""
     import ctypes
     import signal
     import sys

@@ -34,13 +34,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=defaults["max_prefill_tokens"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=defaults["seed"])
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes)")
+    p.add_argument("--dist-timeout", type=float, default=defaults["dist_timeout"],
+                   help="seconds a TP collective may wait before the deployment fails")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["dtype", "device", "attention_backend", "sampler", "schedule_policy", "cache",
             "overlap", "page_size",
             "num_pages", "kv_cache_memory", "max_running_requests", "max_prefill_tokens",
-            "max_model_len", "seed"]
+            "max_model_len", "seed", "tp", "dist_timeout"]
     return {k: getattr(args, k) for k in keys}
 
 
@@ -79,7 +82,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(ServerArgs(model=args.model, engine=engine_kwargs(args), host=args.host,
                             port=args.port, api_key=args.api_key,
                             served_model_name=args.served_model_name,
-                            max_body_bytes=args.max_body_bytes, log_level=args.log_level))
+                            max_body_bytes=args.max_body_bytes, log_level=args.log_level,
+                            nnodes=args.nnodes, node_rank=args.node_rank,
+                            dist_init_addr=args.dist_init_addr))
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -111,6 +116,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
                    help="larger request bodies are answered with 413")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    p.add_argument("--nnodes", type=int, default=1, help="machines the --tp ranks are spread over")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's index; node 0 serves HTTP, the others only run ranks")
+    p.add_argument("--dist-init-addr", default=None,
+                   help="host:port where node 0's rank 0 meets the others (required with --nnodes > 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:

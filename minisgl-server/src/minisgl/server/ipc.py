@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
@@ -13,6 +12,7 @@ from typing import Any
 
 import zmq
 
+from minisgl.core.tp import die_with_parent
 from minisgl.server.messages import Fatal, Msg, decode, encode
 
 POLL_MS = 200  # idle poll interval; also how often a child checks that its parent is alive
@@ -57,20 +57,12 @@ class Sockets:
         return decode(self.pull.recv())
 
 
-def _die_with_parent() -> None:
-    """Linux: have the kernel SIGTERM this process when the launcher dies, even by SIGKILL."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
-def child_main(name: str, report_to: str, body: Callable[[], None]) -> None:
-    """Run a child process's ``body``: Ctrl-C is the launcher's to handle, plugins are loaded
-    here (every process loads them itself), and a crash is reported to the API before exiting."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+def child_main(name: str, report_to: str | None, body: Callable[[], None]) -> None:
+    """Run a child process's ``body``: Ctrl-C is the launcher's to handle, SIGTERM exits cleanly
+    (``finally`` blocks run), plugins are loaded here (every process loads them itself), and a
+    crash is reported to the API (``report_to``) before exiting."""
+    die_with_parent()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     parent = os.getppid()
     os.environ["MINISGL_PARENT_PID"] = str(parent)
     try:
@@ -81,6 +73,8 @@ def child_main(name: str, report_to: str, body: Callable[[], None]) -> None:
     except Exception:
         text = traceback.format_exc()
         print(f"minisgl {name} process failed:\n{text}", file=sys.stderr, flush=True)
+        if report_to is None:
+            sys.exit(1)
         ctx = zmq.Context()
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)

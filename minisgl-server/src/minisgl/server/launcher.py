@@ -25,6 +25,7 @@ from typing import Any
 
 import uvicorn
 
+from minisgl.core.config import EngineConfig
 from minisgl.server import detokenizer_proc, scheduler_proc, tokenizer_proc
 from minisgl.server.api import Pipeline, build_app
 from minisgl.server.ipc import Endpoints
@@ -42,6 +43,9 @@ class ServerArgs:
     served_model_name: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     log_level: str = "warning"
+    nnodes: int = 1  # machines the tp ranks are spread over (tp / nnodes each)
+    node_rank: int = 0  # this machine: 0 serves HTTP and holds rank 0
+    dist_init_addr: str | None = None  # host:port of rank 0's rendezvous (needed with nnodes > 1)
 
 
 def generation_defaults(model_path: str) -> dict[str, Any]:
@@ -115,27 +119,82 @@ def _stop(children: list[mp.process.BaseProcess], timeout: float = 5.0) -> None:
             p.join()
 
 
+def rank_configs(args: ServerArgs, path: str) -> tuple[list[EngineConfig], str]:
+    """The EngineConfig of every rank on this node, and the rendezvous address."""
+    from minisgl.core.config import ModelConfig
+    from minisgl.core.tp import check_tp_split, free_addr
+
+    engine = dict(args.engine)
+    tp = int(engine.pop("tp", 1) or 1)
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"node_rank: must be in [0, nnodes) (got {args.node_rank} of "
+                         f"{args.nnodes})")
+    if tp % args.nnodes:
+        raise ValueError(f"tp: {tp} ranks cannot be spread evenly over {args.nnodes} nodes")
+    check_tp_split(ModelConfig.from_pretrained(path), tp)
+    if args.dist_init_addr is None and args.nnodes > 1:
+        raise ValueError("dist_init_addr: required with nnodes > 1 (host:port of node 0)")
+    addr = args.dist_init_addr or free_addr()
+    per_node = tp // args.nnodes
+    first = args.node_rank * per_node
+    return [EngineConfig(model=path, tp_size=tp, tp_rank=r, **engine)
+            for r in range(first, first + per_node)], addr
+
+
 def serve(args: ServerArgs) -> int:
     from minisgl.core.bundled import resolve_model
-    from minisgl.core.config import EngineConfig
-
     from minisgl.core.plugins import get_plugin_manager
 
-    EngineConfig(model=args.model, **args.engine)  # bad options fail here, before any process
+    engine = {k: v for k, v in args.engine.items() if k != "tp"}
+    EngineConfig(model=args.model, **engine)  # bad options fail here, before any process
     get_plugin_manager()  # every process loads the plugins itself; a broken one fails here too
     started = time.perf_counter()
     path = resolve_model(args.model)  # the bundled model is converted once, here
+    configs, addr = rank_configs(args, path)
+    if args.node_rank > 0:
+        return _serve_ranks(configs, addr)
     served = args.served_model_name or args.model
     with tempfile.TemporaryDirectory(prefix="minisgl-") as tmp:
         ep = Endpoints.in_dir(tmp)
-        return asyncio.run(_serve(args, ep, path, served, started))
+        return asyncio.run(_serve(args, ep, configs, addr, path, served, started))
 
 
-async def _serve(args: ServerArgs, ep: Endpoints, path: str, served: str, started: float) -> int:
+def _serve_ranks(configs: list[EngineConfig], addr: str) -> int:
+    """A node other than 0: only its ranks; they end when rank 0 ends (or any rank fails)."""
+    ctx = mp.get_context("spawn")
+    children = [ctx.Process(target=scheduler_proc.run_rank, args=(None, c, addr),
+                            name=f"rank{c.tp_rank}") for c in configs]
+    for p in children:
+        p.start()
+    print(f"minisgl: node serving ranks {[c.tp_rank for c in configs]} of {configs[0].tp_size} "
+          f"(rendezvous {addr})", flush=True)
+    stop = {"sig": 0}
+
+    def on_signal(sig: int, frame: Any) -> None:
+        stop["sig"] = sig
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop["sig"] and all(p.is_alive() for p in children):
+            time.sleep(0.1)
+        failed = [p for p in children if not p.is_alive() and p.exitcode != 0]
+    finally:
+        _stop(children)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    for p in failed:
+        print(f"minisgl: {p.name} exited with code {p.exitcode}", file=sys.stderr, flush=True)
+    return 1 if failed else 0
+
+
+async def _serve(args: ServerArgs, ep: Endpoints, configs: list[EngineConfig], addr: str,
+                 path: str, served: str, started: float) -> int:
     pipe = Pipeline(ep, served, generation_defaults(path))
     ctx = mp.get_context("spawn")
     children = [
-        ctx.Process(target=scheduler_proc.run, args=(ep, path, args.engine), name="scheduler"),
+        ctx.Process(target=scheduler_proc.run, args=(ep, configs[0], addr), name="scheduler"),
+        *(ctx.Process(target=scheduler_proc.run_rank, args=(ep, c, addr), name=f"rank{c.tp_rank}")
+          for c in configs[1:]),
         ctx.Process(target=detokenizer_proc.run, args=(ep, path), name="detokenizer"),
         ctx.Process(target=tokenizer_proc.run, args=(ep, path), name="tokenizer"),
     ]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from minisgl.core import tp
+from minisgl.core.config import EngineConfig
+from minisgl.core.tp import Lockstep, start_rank
 from minisgl.server.ipc import POLL_MS, Endpoints, Sockets, child_main, parent_alive
 from minisgl.server.messages import (
     Abort,
@@ -21,13 +24,11 @@ from minisgl.server.messages import (
 class SchedulerServer:
     """Turns messages into scheduler calls and finished steps into TokenBatch messages."""
 
-    def __init__(self, engine_kwargs: dict[str, Any], model_path: str, socks: Sockets) -> None:
-        from minisgl.core.config import EngineConfig
-        from minisgl.core.engine import Engine
-        from minisgl.core.scheduler import Scheduler
-
-        self.engine = Engine(EngineConfig(model=model_path, **engine_kwargs))
-        self.scheduler = Scheduler(self.engine)
+    def __init__(self, config: EngineConfig, dist_addr: str, socks: Sockets) -> None:
+        scheduler, channel = start_rank(config, dist_addr)
+        self.engine = scheduler.engine
+        # at TP > 1, every add/abort/step is mirrored on the other ranks (minisgl.core.tp)
+        self.scheduler = Lockstep(scheduler, channel)
         self.socks = socks
         self.reqs: dict[str, Any] = {}  # rid -> Req, until its last TokenOut is sent
         self.sent: dict[str, int] = {}  # rid -> output tokens already sent
@@ -62,7 +63,9 @@ class SchedulerServer:
             if n >= limit:
                 raise ValueError(f"{msg.field}: the prompt has {n} tokens, which leaves no room "
                                  f"to generate within the context length of {limit} tokens")
-            max_tokens = limit - n if p.max_tokens is None else p.max_tokens
+            # unset: the rest of the context, or of the KV pool if that is smaller
+            room = min(limit, self.engine.allocator.capacity * self.scheduler.config.page_size)
+            max_tokens = max(1, room - n) if p.max_tokens is None else p.max_tokens
             if n + max_tokens > limit:
                 raise ValueError(f"max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) "
                                  f"= {n + max_tokens} exceeds the context length of {limit} tokens")
@@ -137,21 +140,32 @@ class SchedulerServer:
 
     # -- the loop ----------------------------------------------------------------------------
     def loop(self) -> None:
-        while parent_alive():
-            busy = self.scheduler.has_work()
-            msg = self.socks.recv(0 if busy else POLL_MS)
-            while msg is not None:  # take everything that arrived before the next step
-                self.handle(msg)
-                msg = self.socks.recv(0)
-            if self.scheduler.has_work():
-                self.emit(self.scheduler.step())
+        try:
+            while parent_alive():
+                busy = self.scheduler.has_work()
+                msg = self.socks.recv(0 if busy else POLL_MS)
+                while msg is not None:  # take everything that arrived before the next step
+                    self.handle(msg)
+                    msg = self.socks.recv(0)
+                if self.scheduler.has_work():
+                    self.emit(self.scheduler.step())
+                else:  # TP: a heartbeat, so a rank that died is noticed while idle too
+                    self.scheduler.sync()
+        finally:
+            self.scheduler.close()  # TP: the other ranks exit too
 
 
-def run(ep: Endpoints, model_path: str, engine_kwargs: dict[str, Any]) -> None:
+def run(ep: Endpoints, config: EngineConfig, dist_addr: str) -> None:
     def body() -> None:
         socks = Sockets(ep.scheduler, detokenizer=ep.detokenizer)
-        server = SchedulerServer(engine_kwargs, model_path, socks)
+        server = SchedulerServer(config, dist_addr, socks)
         socks.send("detokenizer", Ready(process="scheduler", info=server.info()))
         server.loop()
 
     child_main("scheduler", ep.api, body)
+
+
+def run_rank(ep: Endpoints | None, config: EngineConfig, dist_addr: str) -> None:
+    """A rank > 0: mirrors rank 0's scheduler (no sockets of its own)."""
+    child_main(f"rank{config.tp_rank}", ep.api if ep is not None else None,
+               lambda: tp.run_rank(config, dist_addr))
