@@ -62,12 +62,12 @@ class LLM:
             ctx = mp.get_context("spawn")
             for rank in range(1, tp):
                 cfg = dataclasses.replace(self.config, tp_rank=rank)
-                proc = ctx.Process(target=run_rank, args=(cfg, addr), name=f"minisgl-rank{rank}",
-                                   daemon=True)
+                proc = ctx.Process(target=run_rank, args=(cfg, addr, tp),
+                                   name=f"minisgl-rank{rank}", daemon=True)
                 proc.start()
                 self._workers.append(proc)
         try:
-            scheduler, channel = start_rank(self.config, addr)
+            scheduler, channel = start_rank(self.config, addr, local_ranks=tp)
         except BaseException:
             self._stop_workers()
             raise

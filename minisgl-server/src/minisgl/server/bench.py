@@ -12,6 +12,7 @@ Workloads (``--scale`` multiplies every length, ``--num-requests`` the request c
   questions, 32 output tokens, all at once: throughput and mean TTFT with the radix cache, with
   ``--cache naive`` (system ``minisgl-naive``), and HF (bench_prefix.py).
 
+* ``tp`` (not in ``all``): peak memory per rank and step time at TP=1 vs ``--tp`` (bench_tp.py).
 * ``online``: the HTTP server (``minisgl serve``, started with the engine flags, or ``--url``)
   under 1, 8 and 32 concurrent streaming clients; server over offline throughput (bench_serve.py).
 
@@ -444,6 +445,16 @@ def _run_workloads(args: argparse.Namespace, workloads: Sequence[str], systems: 
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.workload == "tp":  # every configuration in its own process (bench_tp.py)
+        from minisgl.server.bench_tp import bench_tp
+
+        rows = bench_tp(args)
+        print(format_table(rows), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": {k: v for k, v in vars(args).items() if k != "func"},
+                           "results": [asdict(r) for r in rows]}, f, indent=2)
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.data_seed)
@@ -491,7 +502,8 @@ def add_parser(sub: Any) -> None:
         "bench", help="benchmarks (minisgl vs HF)", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p)
-    p.add_argument("--workload", choices=[*WORKLOADS, "all"], default="offline-mixed")
+    p.add_argument("--workload", choices=[*WORKLOADS, "all", "tp"], default="offline-mixed",
+                   help="all = every workload but tp; tp = TP=1 vs TP=--tp memory and step time")
     p.add_argument("--compare", choices=["none", "hf"], default="none",
                    help="also run HF transformers generate on the same prompts and dtype")
     p.add_argument("--num-requests", type=int, default=64, help="offline-mixed request count")

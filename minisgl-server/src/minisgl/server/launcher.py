@@ -162,7 +162,7 @@ def serve(args: ServerArgs) -> int:
 def _serve_ranks(configs: list[EngineConfig], addr: str) -> int:
     """A node other than 0: only its ranks; they end when rank 0 ends (or any rank fails)."""
     ctx = mp.get_context("spawn")
-    children = [ctx.Process(target=scheduler_proc.run_rank, args=(None, c, addr),
+    children = [ctx.Process(target=scheduler_proc.run_rank, args=(None, c, addr, len(configs)),
                             name=f"rank{c.tp_rank}") for c in configs]
     for p in children:
         p.start()
@@ -192,9 +192,10 @@ async def _serve(args: ServerArgs, ep: Endpoints, configs: list[EngineConfig], a
     pipe = Pipeline(ep, served, generation_defaults(path))
     ctx = mp.get_context("spawn")
     children = [
-        ctx.Process(target=scheduler_proc.run, args=(ep, configs[0], addr), name="scheduler"),
-        *(ctx.Process(target=scheduler_proc.run_rank, args=(ep, c, addr), name=f"rank{c.tp_rank}")
-          for c in configs[1:]),
+        ctx.Process(target=scheduler_proc.run, args=(ep, configs[0], addr, len(configs)),
+                    name="scheduler"),
+        *(ctx.Process(target=scheduler_proc.run_rank, args=(ep, c, addr, len(configs)),
+                      name=f"rank{c.tp_rank}") for c in configs[1:]),
         ctx.Process(target=detokenizer_proc.run, args=(ep, path), name="detokenizer"),
         ctx.Process(target=tokenizer_proc.run, args=(ep, path), name="tokenizer"),
     ]

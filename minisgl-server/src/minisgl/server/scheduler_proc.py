@@ -24,8 +24,9 @@ from minisgl.server.messages import (
 class SchedulerServer:
     """Turns messages into scheduler calls and finished steps into TokenBatch messages."""
 
-    def __init__(self, config: EngineConfig, dist_addr: str, socks: Sockets) -> None:
-        scheduler, channel = start_rank(config, dist_addr)
+    def __init__(self, config: EngineConfig, dist_addr: str, local_ranks: int,
+                 socks: Sockets) -> None:
+        scheduler, channel = start_rank(config, dist_addr, local_ranks)
         self.engine = scheduler.engine
         # at TP > 1, every add/abort/step is mirrored on the other ranks (minisgl.core.tp)
         self.scheduler = Lockstep(scheduler, channel)
@@ -155,17 +156,17 @@ class SchedulerServer:
             self.scheduler.close()  # TP: the other ranks exit too
 
 
-def run(ep: Endpoints, config: EngineConfig, dist_addr: str) -> None:
+def run(ep: Endpoints, config: EngineConfig, dist_addr: str, local_ranks: int) -> None:
     def body() -> None:
         socks = Sockets(ep.scheduler, detokenizer=ep.detokenizer)
-        server = SchedulerServer(config, dist_addr, socks)
+        server = SchedulerServer(config, dist_addr, local_ranks, socks)
         socks.send("detokenizer", Ready(process="scheduler", info=server.info()))
         server.loop()
 
     child_main("scheduler", ep.api, body)
 
 
-def run_rank(ep: Endpoints | None, config: EngineConfig, dist_addr: str) -> None:
+def run_rank(ep: Endpoints | None, config: EngineConfig, dist_addr: str, local_ranks: int) -> None:
     """A rank > 0: mirrors rank 0's scheduler (no sockets of its own)."""
     child_main(f"rank{config.tp_rank}", ep.api if ep is not None else None,
-               lambda: tp.run_rank(config, dist_addr))
+               lambda: tp.run_rank(config, dist_addr, local_ranks))
