@@ -12,7 +12,7 @@ def examples() -> list[m.Msg]:
     params = m.Params(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_token_ids=[2],
                       top_logprobs=2, logprobs=True)
     out = m.TextOut(rid="r", text="é", token_ids=[1, 2],
-                    logprobs=[m.LogprobEntry("a", -0.5, [("a", -0.5), ("b", -1.0)])],
+                    logprobs=[m.LogprobEntry("a", -0.5, [97], [("a", -0.5, [97]), ("b", -1.0, [98])])],
                     finish_reason="stop", prompt_tokens=3, completion_tokens=2, cached_tokens=1)
     return [
         m.GenerateReq(rid="r", messages=[{"role": "user", "content": "hi"}], params=params,

@@ -141,6 +141,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         checks = [
+            ("dtype", isinstance(self.dtype, torch.dtype) or self.dtype in ("auto", *_DTYPES),
+             f"must be auto or one of {', '.join(_DTYPES)}"),
             ("page_size", self.page_size >= 1, "must be >= 1"),
             ("cache", self.cache in ("radix", "naive"), "must be 'radix' or 'naive'"),
             ("num_pages", self.num_pages is None or self.num_pages >= 1, "must be >= 1"),

@@ -199,10 +199,10 @@ def usage(choices: list[_Choice]) -> dict[str, Any]:
 
 
 def chat_logprobs(entries: list[Any]) -> dict[str, Any]:
-    def one(tok: str, lp: float) -> dict[str, Any]:
-        return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
-    return {"content": [dict(one(e.token, e.logprob), top_logprobs=[one(t, v) for t, v in e.top])
-                        for e in entries]}
+    def one(tok: str, lp: float, raw: list[int]) -> dict[str, Any]:
+        return {"token": tok, "logprob": lp, "bytes": raw}
+    return {"content": [dict(one(e.token, e.logprob, e.bytes),
+                             top_logprobs=[one(*t) for t in e.top]) for e in entries]}
 
 
 def completion_logprobs(entries: list[Any], offset: int) -> dict[str, Any]:
@@ -211,7 +211,7 @@ def completion_logprobs(entries: list[Any], offset: int) -> dict[str, Any]:
         offsets.append(offset)
         offset += len(e.token)
     return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
+            "top_logprobs": [{t: v for t, v, _ in e.top} for e in entries], "text_offset": offsets}
 
 
 class Generation:
@@ -243,6 +243,9 @@ class Generation:
     async def next_event(self) -> TextOut:
         msg = await self.queue.get()
         if isinstance(msg, Error):
+            name = self.parsed.max_tokens_name  # the scheduler calls it max_tokens
+            if msg.param == "max_tokens" and name != "max_tokens":
+                msg.param, msg.message = name, name + msg.message[len("max_tokens"):]
             raise APIError(msg.status, msg.message, msg.param)
         choice = self.choices[msg.rid]
         choice.absorb(msg)
@@ -307,7 +310,7 @@ class Generation:
                                 "completion_tokens": c.completion_tokens,
                                 "cached_tokens": c.cached_tokens}
         if self.parsed.logprobs:
-            meta["logprobs"] = [[e.token, e.logprob, [list(t) for t in e.top]] for e in entries]
+            meta["logprobs"] = [[e.token, e.logprob, [[t, v] for t, v, _ in e.top]] for e in entries]
         return meta
 
     # -- streaming ---------------------------------------------------------------------------
@@ -373,7 +376,7 @@ class Generation:
             c.started = True
             text = self.echo_text(c) + text
         if text or msg.finish_reason or msg.logprobs:
-            offset = sum(len(t) for t in c.text) - len(msg.text)
+            offset = len(self.echo_text(c)) + sum(len(t) for t in c.text) - len(msg.text)
             out.append(sse(self.chunk_head() | {"choices": [{
                 "index": c.index, "text": text,
                 "logprobs": completion_logprobs(msg.logprobs, offset) if self.parsed.logprobs

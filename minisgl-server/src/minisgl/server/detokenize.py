@@ -36,6 +36,38 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return _backend(tokenizer).decode([token_id], skip_special_tokens=False)
 
 
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte -> printable character map, inverted (byte-level BPE vocabularies spell
+    every byte as one of these characters)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> list[int]:
+    """The raw UTF-8 bytes of one token (OpenAI's logprob ``bytes``): a token that holds part of
+    a character has bytes that are not valid UTF-8 on their own, which its text cannot show."""
+    backend = _backend(tokenizer)
+    piece = backend.id_to_token(token_id)
+    if piece is None:
+        return []
+    if "ByteLevel" in type(backend.decoder).__name__ and all(c in _BYTE_LEVEL for c in piece):
+        return [_BYTE_LEVEL[c] for c in piece]
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # byte fallback
+        return [int(piece[3:5], 16)]
+    return list(token_text(tokenizer, token_id).encode())
+
+
 class TextStream:
     """Incremental detokenization of one request's output tokens, with stop strings."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl.server.detokenize import TextStream, token_text
+from minisgl.server.detokenize import TextStream, token_bytes, token_text
 from minisgl.server.ipc import POLL_MS, Endpoints, Sockets, child_main, parent_alive
 from minisgl.server.messages import (
     Abort,
@@ -28,6 +28,7 @@ class _State:
     text: TextStream | None  # None: the model has no tokenizer, only ids are sent
     prompt_tokens: int
     logprobs: bool
+    skip_special: bool
     tokens: int = 0  # completion tokens so far
 
 
@@ -36,12 +37,21 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.socks = socks
         self.states: dict[str, _State] = {}
+        self.special_ids = set(tokenizer.all_special_ids) if tokenizer is not None else set()
+        self._texts: dict[int, str] = {}  # token id -> its text, for logprob entries
+
+    def text_of(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = token_text(self.tokenizer, token_id)
+        return text
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, Accepted):
             text = None if self.tokenizer is None else TextStream(
                 self.tokenizer, msg.stop, msg.skip_special_tokens)
-            self.states[msg.rid] = _State(text, msg.prompt_tokens, msg.logprobs)
+            self.states[msg.rid] = _State(text, msg.prompt_tokens, msg.logprobs,
+                                          msg.skip_special_tokens)
         elif isinstance(msg, TokenBatch):
             outs = []
             for item in msg.items:
@@ -70,21 +80,24 @@ class Detokenizer:
         ids, finish = list(item.token_ids), item.finish_reason
         delta = ""
         if st.text is not None:
-            # a stop token (EOS or stop_token_ids) ends the request but is not part of the text
-            shown = ids[:-1] if finish == "stop" else ids
+            # a stop token (EOS, stop_token_ids) stays in the text unless it is a special token
+            # and skip_special_tokens is on, as in the offline LLM and vLLM
             before = st.text.num_tokens
-            delta = st.text.add(shown, final=finish is not None)
+            delta = st.text.add(ids, final=finish is not None)
             if st.text.stopped:  # a stop string matched: cut here and stop the scheduler
                 ids = ids[: st.text.num_tokens - before]
                 finish = "stop"
                 self.socks.send("scheduler", Abort(rid=item.rid))
         entries = []
         if st.logprobs and self.tokenizer is not None:
+            shown = ids
+            if finish == "stop" and ids and st.skip_special and ids[-1] in self.special_ids:
+                shown = ids[:-1]  # the hidden EOS: entries join to the text
             tops = item.top_logprobs or [[] for _ in ids]
-            for tok, lp, top in zip(ids, item.logprobs, tops):
-                entries.append(LogprobEntry(
-                    token_text(self.tokenizer, tok), lp,
-                    [(token_text(self.tokenizer, t), v) for t, v in top]))
+            entries = [LogprobEntry(self.text_of(tok), lp, token_bytes(self.tokenizer, tok),
+                                    [(self.text_of(t), v, token_bytes(self.tokenizer, t))
+                                     for t, v in top])
+                       for tok, lp, top in zip(shown, item.logprobs, tops)]
         st.tokens += len(ids)
         if finish is not None:
             del self.states[item.rid]

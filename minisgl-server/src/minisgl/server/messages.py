@@ -104,7 +104,8 @@ class TokenBatch(Msg, kw_only=True):
 class LogprobEntry(msgspec.Struct, array_like=True):
     token: str
     logprob: float
-    top: list[tuple[str, float]]
+    bytes: list[int]  # the token's raw bytes (may be part of a UTF-8 character)
+    top: list[tuple[str, float, list[int]]]  # (token, logprob, bytes), most likely first
 
 
 class TextOut(Msg, kw_only=True):

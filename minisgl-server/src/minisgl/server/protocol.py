@@ -56,6 +56,7 @@ class Parsed:
     logprobs: bool = False
     echo: bool = False
     skip_special_tokens: bool = True
+    max_tokens_name: str = "max_tokens"  # the field the client used (max_completion_tokens)
 
 
 def _bad(name: str, rule: str, value: Any) -> APIError:
@@ -163,9 +164,14 @@ def _common(b: _Body, info: ModelInfo, default_max_tokens: int | None) -> Parsed
         stop_token_ids=stop_ids or [],
         ignore_eos=bool(b.bool("ignore_eos")),
     )
+    bias = b.get("logit_bias")
+    if bias:  # an empty {} (some clients always send it) is fine
+        raise _bad("logit_bias", "is not supported", bias)
     skip = b.bool("skip_special_tokens")
+    name = "max_completion_tokens" if b.get("max_completion_tokens") is not None else "max_tokens"
     return Parsed([], params, n=_first(b.int("n", 1, 16), 1), stop=stop or [], stream=stream,
-                  include_usage=bool(include_usage), skip_special_tokens=skip is not False)
+                  include_usage=bool(include_usage), skip_special_tokens=skip is not False,
+                  max_tokens_name=name)
 
 
 def _message_text(i: int, msg: Any) -> dict[str, str]:
