@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -106,20 +108,29 @@ class ControlChannel:
         return json.loads(data)
 
 
-def connect(rank: int, world_size: int, addr: str, device: torch.device,
-            timeout_s: float) -> tuple[TorchCommunicator, ControlChannel]:
+def connect(rank: int, world_size: int, addr: str, device: torch.device, timeout_s: float,
+            dead_ranks: Callable[[], list[int]] | None = None
+            ) -> tuple[TorchCommunicator, ControlChannel]:
     """Join the group of ``world_size`` ranks that meets at ``addr`` ("host:port"; rank 0 listens).
 
     Tensors go through gloo (CPU) or NCCL (CUDA) with ``timeout_s`` per collective: a rank that
     dies or hangs surfaces as an error on the others instead of a hang (a dead peer is usually seen
     at once: its sockets close). Control messages use a second gloo group without a practical
     timeout, because ranks wait there while the deployment is idle.
+
+    ``dead_ranks`` (rank 0, when it started the others): polled while waiting for them to join, so
+    a rank that dies while starting fails this call at once instead of after the timeout.
     """
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"dist_init_addr: expected host:port (got {addr!r})")
+    join_timeout = max(timeout_s, 60.0)
     store = dist.TCPStore(host, int(port), world_size, rank == 0,
-                          timeout=datetime.timedelta(seconds=max(timeout_s, 60.0)))
+                          timeout=datetime.timedelta(seconds=join_timeout), wait_for_workers=False)
+    if rank == 0:
+        _wait_for_ranks(store, world_size, join_timeout, dead_ranks)
+    else:
+        store.set(f"joined/{rank}", "1")
     timeout = datetime.timedelta(seconds=timeout_s)
     data_store = dist.PrefixStore("data", store)
     if device.type == "cuda":
@@ -129,3 +140,21 @@ def connect(rank: int, world_size: int, addr: str, device: torch.device,
     control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size,
                                     datetime.timedelta(days=30))
     return TorchCommunicator(group, rank, world_size), ControlChannel(control, rank)
+
+
+def _wait_for_ranks(store: Any, world_size: int, timeout_s: float,
+                    dead_ranks: Callable[[], list[int]] | None) -> None:
+    deadline = time.monotonic() + timeout_s
+    missing = list(range(1, world_size))
+    while missing:
+        missing = [r for r in missing if not store.check([f"joined/{r}"])]
+        dead = [r for r in (dead_ranks() if dead_ranks is not None else []) if r in missing]
+        if dead:
+            names = ", ".join(f"rank {r}" for r in dead)
+            raise RuntimeError(f"tensor-parallel {names} exited before joining the group "
+                               "(see its error output above)")
+        if missing and time.monotonic() > deadline:
+            names = ", ".join(f"rank {r}" for r in missing)
+            raise RuntimeError(f"tensor-parallel {names} did not join within {timeout_s:.0f} s")
+        if missing:
+            time.sleep(0.05)

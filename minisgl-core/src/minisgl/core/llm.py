@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import torch
+
 from minisgl.core.bundled import resolve_model
 from minisgl.core.config import EngineConfig
 from minisgl.core.engine import Engine
@@ -66,8 +68,11 @@ class LLM:
                                    name=f"minisgl-rank{rank}", daemon=True)
                 proc.start()
                 self._workers.append(proc)
+        self._threads = torch.get_num_threads()  # TP ranks split the cores; restored by close()
         try:
-            scheduler, channel = start_rank(self.config, addr, local_ranks=tp)
+            scheduler, channel = start_rank(
+                self.config, addr, local_ranks=tp,
+                dead_ranks=lambda: [i + 1 for i, p in enumerate(self._workers) if not p.is_alive()])
         except BaseException:
             self._stop_workers()
             raise
@@ -139,6 +144,7 @@ class LLM:
             self.scheduler.close()
         finally:
             self._stop_workers()
+            torch.set_num_threads(self._threads)
 
     def _stop_workers(self, timeout: float = 10.0) -> None:
         for proc in self._workers:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from minisgl.core.config import EngineConfig, ModelConfig
@@ -94,11 +95,15 @@ class Lockstep:
         self.channel.send(ops)
 
     def close(self) -> None:
-        if self.channel is not None:
-            self.channel.send(self.pending + [{"op": "exit"}])
+        channel, self.channel = self.channel, None
+        try:
+            if channel is not None:
+                channel.send(self.pending + [{"op": "exit"}])
+        except RuntimeError:
+            pass  # a rank is gone (the error was raised where it happened): nobody to tell
+        finally:
             self.pending = []
-            self.channel = None
-        self.scheduler.close()
+            self.scheduler.close()
 
     def __getattr__(self, name: str) -> Any:  # validate, has_work, stats, ... of the scheduler
         return getattr(self.scheduler, name)
@@ -132,7 +137,8 @@ def cpu_threads_per_rank(local_ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // local_ranks)
 
 
-def start_rank(config: EngineConfig, addr: str, local_ranks: int = 1
+def start_rank(config: EngineConfig, addr: str, local_ranks: int = 1,
+               dead_ranks: Callable[[], list[int]] | None = None
                ) -> tuple[Scheduler, ControlChannel | None]:
     """This process's rank of the group: connect, load its slice of the model, build a scheduler.
     ``local_ranks``: how many ranks share this machine (sets torch's CPU threads at TP > 1)."""
@@ -145,7 +151,7 @@ def start_rank(config: EngineConfig, addr: str, local_ranks: int = 1
     if config.torch_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(cpu_threads_per_rank(local_ranks))
     comm, channel = connect(config.tp_rank, config.tp_size, addr, config.torch_device,
-                            config.dist_timeout)
+                            config.dist_timeout, dead_ranks)
     return Scheduler(Engine(config, comm)), channel
 
 
