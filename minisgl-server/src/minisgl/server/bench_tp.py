@@ -26,10 +26,12 @@ from typing import Any
 from minisgl.server.bench import Row, log
 
 
-def _peak_rss_mib(pid: int) -> float:
+def _status_mib(pid: int, key: str) -> float:
+    """A memory line of /proc/<pid>/status in MiB: VmHWM (peak resident, file-backed pages of
+    the mmapped checkpoint included) or RssAnon (private memory now: weights, KV, runtime)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -57,7 +59,9 @@ def child(model: str, tp: int, dtype: str, threads: int | None) -> dict[str, Any
 
     llm.generate([prompt(32), prompt(48)], params(8))  # warm-up
     weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
-    rss = [_peak_rss_mib(os.getpid())] + [_peak_rss_mib(p.pid) for p in llm._workers]
+    pids = [os.getpid()] + [p.pid for p in llm._workers]
+    rss = [_status_mib(pid, "VmHWM") for pid in pids]
+    anon = [_status_mib(pid, "RssAnon") for pid in pids]
     # batch-1 decode: time 1 and 65 tokens after the same 128-token prompt; the difference is
     # 64 decode steps (prefill cost cancels out)
     p = prompt(128)
@@ -73,7 +77,7 @@ def child(model: str, tp: int, dtype: str, threads: int | None) -> dict[str, Any
     batch_tok_s = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
     llm.close()
     return {"tp": tp, "load_s": load_s, "weights_mib_per_rank": weights / 2**20,
-            "peak_rss_mib": rss, "decode_ms": decode_ms, "batch16_tok_s": batch_tok_s}
+            "peak_rss_mib": rss, "anon_rss_mib": anon, "decode_ms": decode_ms, "batch16_tok_s": batch_tok_s}
 
 
 def bench_tp(args: Any) -> list[Row]:
@@ -94,16 +98,21 @@ def bench_tp(args: Any) -> list[Row]:
     for tp, r in results.items():
         name = f"tp={tp}"
         rows.append(Row("tp", name, "weights MiB per rank", r["weights_mib_per_rank"], False))
-        for rank, mib in enumerate(r["peak_rss_mib"]):
-            rows.append(Row("tp", name, f"rank {rank} peak RSS MiB", mib, False))
+        for rank, (peak, anon) in enumerate(zip(r["peak_rss_mib"], r["anon_rss_mib"])):
+            rows.append(Row("tp", name, f"rank {rank} peak RSS MiB", peak, False))
+            rows.append(Row("tp", name, f"rank {rank} private RSS MiB", anon, False))
         rows.append(Row("tp", name, "decode ms/token (batch 1)", r["decode_ms"], False))
         rows.append(Row("tp", name, "16x64 decode tok/s", r["batch16_tok_s"], True))
     if args.tp != 1:
         one, n = results[1], results[args.tp]
         rows.append(Row("tp", f"tp={args.tp} / tp=1", "decode step time ratio",
                         n["decode_ms"] / one["decode_ms"], False))
+        rows.append(Row("tp", f"tp={args.tp} / tp=1", "16x64 throughput ratio",
+                        n["batch16_tok_s"] / one["batch16_tok_s"], True))
         rows.append(Row("tp", f"tp={args.tp} / tp=1", "rank 0 peak RSS ratio",
                         n["peak_rss_mib"][0] / one["peak_rss_mib"][0], False))
+        rows.append(Row("tp", f"tp={args.tp} / tp=1", "rank 0 private RSS ratio",
+                        n["anon_rss_mib"][0] / one["anon_rss_mib"][0], False))
     return rows
 
 
