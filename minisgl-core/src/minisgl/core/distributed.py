@@ -125,20 +125,23 @@ def connect(rank: int, world_size: int, addr: str, device: torch.device, timeout
     if not host or not port.isdigit():
         raise ValueError(f"dist_init_addr: expected host:port (got {addr!r})")
     join_timeout = max(timeout_s, 60.0)
-    store = dist.TCPStore(host, int(port), world_size, rank == 0,
+    store = dist.TCPStore(host, int(port), world_size, rank == 0,  # type: ignore[attr-defined]
                           timeout=datetime.timedelta(seconds=join_timeout), wait_for_workers=False)
     if rank == 0:
         _wait_for_ranks(store, world_size, join_timeout, dead_ranks)
     else:
         store.set(f"joined/{rank}", "1")
     timeout = datetime.timedelta(seconds=timeout_s)
-    data_store = dist.PrefixStore("data", store)
+    data_store = dist.PrefixStore("data", store)  # type: ignore[attr-defined]
+    group: Any
     if device.type == "cuda":
-        group = dist.ProcessGroupNCCL(data_store, rank, world_size)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        group = dist.ProcessGroupNCCL(data_store, rank, world_size, opts)
     else:
         group = dist.ProcessGroupGloo(data_store, rank, world_size, timeout)
-    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size,
-                                    datetime.timedelta(days=30))
+    control_store = dist.PrefixStore("control", store)  # type: ignore[attr-defined]
+    control = dist.ProcessGroupGloo(control_store, rank, world_size, datetime.timedelta(days=30))
     return TorchCommunicator(group, rank, world_size), ControlChannel(control, rank)
 
 

@@ -300,8 +300,9 @@ class Scheduler:
         out = fut.result()
         tokens = out.tokens.tolist() if out is not None else []
         logprobs = out.logprobs.tolist() if out is not None else []
-        top_ids = out.top_ids.tolist() if out is not None and out.top_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if top_ids is not None and out is not None else None
+        top_ids = top_lps = None
+        if out is not None and out.top_ids is not None and out.top_logprobs is not None:
+            top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
         changed: list[Req] = []
         sampled = [r for r, s in zip(batch.reqs, batch.sample) if s]
         for i, (req, pos, token, logprob) in enumerate(zip(sampled, batch.out_pos, tokens, logprobs)):
