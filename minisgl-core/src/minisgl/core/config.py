@@ -138,6 +138,7 @@ class EngineConfig:
     tp_rank: int = 0
     tp_size: int = 1
     dist_timeout: float = 300.0  # seconds a TP collective may wait before it is an error
+    quantization: str | None = None  # "int8": weight-only int8 linear layers and LM head
 
     def __post_init__(self) -> None:
         checks = [
@@ -152,6 +153,7 @@ class EngineConfig:
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, "must be >= 2"),
             ("tp_size", self.tp_size >= 1 and 0 <= self.tp_rank < self.tp_size, "bad tp rank/size"),
             ("dist_timeout", self.dist_timeout > 0, "must be > 0 seconds"),
+            ("quantization", self.quantization in (None, "int8"), "must be None or 'int8'"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -13,6 +13,7 @@ from minisgl.core.attention import AttentionBackend, BatchLayout, ForwardContext
 from minisgl.core.config import EngineConfig, ModelConfig, resolve_dtype
 from minisgl.core.distributed import Communicator
 from minisgl.core.kvcache import KVPool, PageAllocator, ReqToTokenTable
+from minisgl.core.layers.quant import quantize_model_int8
 from minisgl.core.model import CausalLM
 from minisgl.core.plugins import PluginManager, get_plugin_manager
 from minisgl.core.request import Batch, Req
@@ -54,6 +55,8 @@ class Engine:
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model: CausalLM = model_cls(mc, self.comm)
         self.model.load_weights(iter_weights(mc.path))
+        if config.quantization == "int8":
+            quantize_model_int8(self.model)
         self.model.eval()
 
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
@@ -110,6 +113,18 @@ class Engine:
         meta = inputs.meta if inputs.meta is not None else self.backend.prepare(inputs.layout)
         hidden = self.model(ids, inputs.positions, ForwardContext(self.backend, meta))
         return self.model.compute_logits(hidden[inputs.logits_indices]).float()
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, req: Req) -> torch.Tensor:
+        """[n - 1] float32 log-probs of ``req.prompt_ids[1:]``, each given the tokens before it
+        (teacher forcing, for perplexity). ``req`` holds a table row and pages for its whole
+        prompt, nothing of it computed yet."""
+        n = len(req.prompt_ids)
+        inputs = self.prepare(Batch("prefill", [req], [n], [True]))
+        inputs.logits_indices = torch.arange(n - 1, device=self.device)
+        logp = torch.log_softmax(self.forward(inputs), dim=-1)
+        target = torch.tensor(req.prompt_ids[1:], device=self.device)
+        return logp.gather(1, target[:, None]).squeeze(1).cpu()
 
     def take_future_slots(self, n: int) -> list[int]:
         """``n`` slots of the future buffer; at most two steps are in flight, so the ring (4x the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -173,6 +174,37 @@ class LLM:
         reqs = self._make_reqs(batch, sampling_params)
         self._run(reqs)
         return [self._output(r, p) for r, p in zip(reqs, batch)]
+
+    def perplexity(self, text: Prompt, window: int = 512) -> float:
+        """exp(mean negative log-likelihood) of ``text`` under the model, in non-overlapping
+        windows of ``window`` tokens (the first token of each window is context only). Runs
+        while no request does; at one rank."""
+        if self.config.tp_size > 1:
+            raise NotImplementedError("perplexity: only at tp=1")
+        if self.scheduler.has_work():
+            raise RuntimeError("perplexity: requests are still running")
+        ids = self._tokenize(text)
+        kv, total, count = self.scheduler.kv, 0.0, 0
+        for start in range(0, len(ids) - 1, window):
+            chunk = ids[start: start + window]
+            if len(chunk) < 2:
+                break
+            req = Req(chunk, SamplingParams(max_tokens=1))
+            row = self.engine.table.alloc()
+            assert row is not None, "perplexity: no free request slot"
+            req.table_row = row
+            try:
+                if not kv.grow(req, len(chunk)):
+                    raise RuntimeError(f"perplexity: the KV pool cannot hold {len(chunk)} tokens")
+                logprobs = self.engine.prompt_logprobs(req)
+            finally:
+                self.engine.allocator.free(req.pages)
+                self.engine.table.free(row)
+            total -= float(logprobs.double().sum())
+            count += len(chunk) - 1
+        if count == 0:
+            raise ValueError("text: needs at least 2 tokens")
+        return math.exp(total / count)
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None

@@ -34,6 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=defaults["max_prefill_tokens"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=defaults["seed"])
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8: weight-only int8 linear layers and LM head (faster CPU decode)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes)")
     p.add_argument("--dist-timeout", type=float, default=defaults["dist_timeout"],
                    help="seconds a TP collective may wait before the deployment fails")
@@ -43,7 +45,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["dtype", "device", "attention_backend", "sampler", "schedule_policy", "cache",
             "overlap", "page_size",
             "num_pages", "kv_cache_memory", "max_running_requests", "max_prefill_tokens",
-            "max_model_len", "seed", "tp", "dist_timeout"]
+            "max_model_len", "seed", "tp", "dist_timeout", "quantization"]
     return {k: getattr(args, k) for k in keys}
 
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.core.distributed import Communicator
+from minisgl.core.layers.quant import QuantizableLinear
 from minisgl.core.weights import WeightSource, read, shape_of
 
 
@@ -31,11 +32,11 @@ class VocabParallelEmbedding(nn.Module):
         return self.comm.all_reduce(out.masked_fill(outside[:, None], 0))
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, QuantizableLinear):
     """hidden -> logits over the full vocabulary (local slice, then all-gather)."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self.matmul(hidden)
         if self.comm.world_size > 1:
             logits = self.comm.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]

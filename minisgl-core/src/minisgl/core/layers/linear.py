@@ -7,10 +7,10 @@ Row parallel: each rank holds a slice of the inputs; partial outputs are summed 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minisgl.core.distributed import Communicator
+from minisgl.core.layers.quant import QuantizableLinear
 from minisgl.core.weights import WeightSource, read, shape_of
 
 
@@ -20,7 +20,7 @@ def divide(n: int, parts: int, what: str) -> int:
     return n // parts
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(QuantizableLinear):
     """y = x W^T (+ b) with W split by output rows. ``out_sizes`` > 1 entries = merged projections;
     each is split across ranks separately and loaded with ``shard_id`` = its index."""
 
@@ -45,7 +45,8 @@ class ColumnParallelLinear(nn.Module):
         param.data[dst_off: dst_off + size].copy_(read(src, 0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -81,7 +82,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.offsets[shard_id], self.kv_head_start * self.head_dim, size
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(QuantizableLinear):
     """y = all_reduce(x_local W_local^T) + b, W split by input columns."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, comm: Communicator,
@@ -99,7 +100,7 @@ class RowParallelLinear(nn.Module):
             param.data.copy_(read(src, 1, self.comm.rank * self.in_local, self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x)
         if self.comm.world_size > 1:
             y = self.comm.all_reduce(y)
         return y if self.bias is None else y + self.bias
