@@ -109,8 +109,8 @@ class ControlChannel:
 
 
 def connect(rank: int, world_size: int, addr: str, device: torch.device, timeout_s: float,
-            dead_ranks: Callable[[], list[int]] | None = None
-            ) -> tuple[TorchCommunicator, ControlChannel]:
+            dead_ranks: Callable[[], list[int]] | None = None, same_host: bool = False
+            ) -> tuple[Communicator, ControlChannel]:
     """Join the group of ``world_size`` ranks that meets at ``addr`` ("host:port"; rank 0 listens).
 
     Tensors go through gloo (CPU) or NCCL (CUDA) with ``timeout_s`` per collective: a rank that
@@ -120,6 +120,8 @@ def connect(rank: int, world_size: int, addr: str, device: torch.device, timeout
 
     ``dead_ranks`` (rank 0, when it started the others): polled while waiting for them to join, so
     a rank that dies while starting fails this call at once instead of after the timeout.
+    ``same_host``: every rank runs on this machine; CPU tensors then meet in shared memory
+    (shm_comm.py, ~100x faster than gloo's loopback TCP for small tensors).
     """
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
@@ -142,7 +144,13 @@ def connect(rank: int, world_size: int, addr: str, device: torch.device, timeout
         group = dist.ProcessGroupGloo(data_store, rank, world_size, timeout)
     control_store = dist.PrefixStore("control", store)  # type: ignore[attr-defined]
     control = dist.ProcessGroupGloo(control_store, rank, world_size, datetime.timedelta(days=30))
-    return TorchCommunicator(group, rank, world_size), ControlChannel(control, rank)
+    comm: Communicator = TorchCommunicator(group, rank, world_size)
+    if same_host and device.type == "cpu":
+        from minisgl.core import shm_comm
+
+        if shm_comm.supported():
+            comm = shm_comm.ShmCommunicator.connect(comm, shm_comm.shm_tag(addr))
+    return comm, ControlChannel(control, rank)
 
 
 def _wait_for_ranks(store: Any, world_size: int, timeout_s: float,

@@ -151,7 +151,8 @@ def start_rank(config: EngineConfig, addr: str, local_ranks: int = 1,
     if config.torch_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(cpu_threads_per_rank(local_ranks))
     comm, channel = connect(config.tp_rank, config.tp_size, addr, config.torch_device,
-                            config.dist_timeout, dead_ranks)
+                            config.dist_timeout, dead_ranks,
+                            same_host=local_ranks == config.tp_size)
     return Scheduler(Engine(config, comm)), channel
 
 
