@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 from starlette.applications import Starlette
@@ -229,8 +230,7 @@ class Generation:
                 rid = f"{self.id}-{p}-{i}"
                 params = parsed.params
                 if seed is not None and i > 0:  # n seeded samples must still differ
-                    params = type(params)(**{f: getattr(params, f) for f in params.__struct_fields__})
-                    params.seed = seed + i
+                    params = msgspec.structs.replace(params, seed=seed + i)
                 self.choices[rid] = _Choice(rid, p * parsed.n + i, p)
                 pipe.submit(GenerateReq(rid=rid, params=params, stop=parsed.stop,
                                         skip_special_tokens=parsed.skip_special_tokens,
