@@ -3,6 +3,7 @@ child process that dies. Every test starts its own server (it ends it)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -147,3 +148,28 @@ def test_killed_scheduler_fails_the_deployment(fresh: Server) -> None:
     assert time.monotonic() - killed < 12
     assert wait_dead(list(pids.values()), 10) == [], f"children outlived the launcher: {pids}"
     assert "scheduler" in fresh.output()
+
+
+def test_hung_scheduler_fails_the_deployment() -> None:
+    """A scheduler that stops (SIGSTOP: alive but silent) is caught by the heartbeat timeout."""
+    server = start_server(*BASE_ARGS, "--engine-timeout", "3")
+    pids = server.stats()["pids"]
+    try:
+        with httpx.Client(timeout=60) as client:
+            cm, events = open_stream(client, server)
+            try:
+                os.kill(pids["scheduler"], signal.SIGSTOP)
+                stopped = time.monotonic()
+                rest = list(events)  # ends (with an error) once the timeout fires
+            finally:
+                cm.__exit__(None, None, None)
+        waited = time.monotonic() - stopped
+        assert 1.5 < waited < 10, waited  # 3 s after the last heartbeat (sent every ~1 s)
+        err = next(e["error"] for e in rest if isinstance(e, dict) and "error" in e)
+        assert "heartbeat" in err["message"], err
+        assert wait_exit(server, 15) == 1, server.output()
+        assert wait_dead(list(pids.values()), 10) == [], f"children outlived the launcher: {pids}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids["scheduler"], signal.SIGKILL)
+        server.stop(check=False)

@@ -30,6 +30,7 @@ from minisgl.server.messages import (
     Error,
     Fatal,
     GenerateReq,
+    Heartbeat,
     Ready,
     Stats,
     StatsQuery,
@@ -70,6 +71,7 @@ class Pipeline:
         self.dead: str | None = None  # why the deployment can no longer serve
         self.closing = False
         self.pids: dict[str, int] = {}  # child process name -> pid (set by the launcher)
+        self.last_heartbeat = 0.0  # monotonic time of the scheduler's last sign of life
 
     @property
     def healthy(self) -> bool:
@@ -88,8 +90,11 @@ class Pipeline:
                 queue = self.queues.get(msg.rid)
                 if queue is not None:
                     queue.put_nowait(msg)
+            elif isinstance(msg, Heartbeat):
+                self.last_heartbeat = time.monotonic()
             elif isinstance(msg, Ready):
                 self.ready.add(msg.process)
+                self.last_heartbeat = time.monotonic()
                 if msg.process == "scheduler":
                     self.info = ModelInfo(self.served_name, msg.info["max_model_len"],
                                           self.defaults)

@@ -86,7 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             served_model_name=args.served_model_name,
                             max_body_bytes=args.max_body_bytes, log_level=args.log_level,
                             nnodes=args.nnodes, node_rank=args.node_rank,
-                            dist_init_addr=args.dist_init_addr))
+                            dist_init_addr=args.dist_init_addr,
+                            engine_timeout=args.engine_timeout))
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -118,6 +119,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
                    help="larger request bodies are answered with 413")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    p.add_argument("--engine-timeout", type=float, default=300.0,
+                   help="seconds the scheduler may go without a heartbeat (a hung engine) before "
+                        "the server fails its requests and exits")
     p.add_argument("--nnodes", type=int, default=1, help="machines the --tp ranks are spread over")
     p.add_argument("--node-rank", type=int, default=0,
                    help="this machine's index; node 0 serves HTTP, the others only run ranks")

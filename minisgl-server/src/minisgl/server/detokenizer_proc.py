@@ -12,6 +12,7 @@ from minisgl.server.messages import (
     Accepted,
     Error,
     Fatal,
+    Heartbeat,
     LogprobEntry,
     Ready,
     Stats,
@@ -70,7 +71,7 @@ class Detokenizer:
         elif isinstance(msg, Error):
             self.states.pop(msg.rid, None)
             self.socks.send("api", msg)
-        elif isinstance(msg, (Ready, Stats, Fatal)):
+        elif isinstance(msg, (Ready, Heartbeat, Stats, Fatal)):
             self.socks.send("api", msg)
 
     def output(self, item: TokenOut) -> TextOut | None:

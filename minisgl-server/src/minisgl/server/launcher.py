@@ -46,6 +46,7 @@ class ServerArgs:
     nnodes: int = 1  # machines the tp ranks are spread over (tp / nnodes each)
     node_rank: int = 0  # this machine: 0 serves HTTP and holds rank 0
     dist_init_addr: str | None = None  # host:port of rank 0's rendezvous (needed with nnodes > 1)
+    engine_timeout: float = 300.0  # seconds without a scheduler heartbeat before failing
 
 
 def generation_defaults(model_path: str) -> dict[str, Any]:
@@ -81,12 +82,18 @@ class _Uvicorn(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-async def _watch(children: list[mp.process.BaseProcess], pipe: Pipeline, server: _Uvicorn) -> None:
-    """A child that exits while we serve breaks the deployment: fail requests, stop serving."""
+async def _watch(children: list[mp.process.BaseProcess], pipe: Pipeline, server: _Uvicorn,
+                 engine_timeout: float) -> None:
+    """A child that exits (or a scheduler that stops sending heartbeats for ``engine_timeout``
+    seconds: hung) breaks the deployment: fail requests, stop serving, exit 1."""
     while not server.should_exit:
+        silent = time.monotonic() - pipe.last_heartbeat
+        stuck = pipe.info is not None and silent > engine_timeout
         for p in children:
-            if not p.is_alive():
-                reason = pipe.dead or f"the {p.name} process exited with code {p.exitcode}"
+            if not p.is_alive() or (stuck and p.name == "scheduler"):
+                reason = pipe.dead or (
+                    f"the scheduler sent no heartbeat for {silent:.0f} s (hung?)" if p.is_alive()
+                    else f"the {p.name} process exited with code {p.exitcode}")
                 pipe.fail(reason)
                 print(f"minisgl: {reason}; shutting down", file=sys.stderr, flush=True)
                 server.exit_code = 1
@@ -208,7 +215,8 @@ async def _serve(args: ServerArgs, ep: Endpoints, configs: list[EngineConfig], a
     server = _Uvicorn(config, pipe)
     server.event_loop = asyncio.get_running_loop()
     tasks = [asyncio.ensure_future(t) for t in (pipe.receive_forever(),
-                                                _watch(children, pipe, server),
+                                                _watch(children, pipe, server,
+                                                       args.engine_timeout),
                                                 _announce(pipe, args, started))]
     try:
         await server.serve()

@@ -3,7 +3,7 @@
 Flow (one rank)::
 
     API --GenerateReq/Abort/StatsQuery--> tokenizer --TokenizedReq/Abort/StatsQuery--> scheduler
-    scheduler --Accepted/TokenBatch/Error/Ready/Stats--> detokenizer --TextBatch/Error/Ready/Stats--> API
+    scheduler --Accepted/TokenBatch/Error/Ready/Heartbeat/Stats--> detokenizer --(same, as text)--> API
     detokenizer --Abort (a stop string matched)--> scheduler
     tokenizer --Error/Ready--> API;  any process --Fatal--> API (it is about to exit)
 
@@ -143,6 +143,11 @@ class Ready(Msg, kw_only=True):
     info: dict[str, Any] = {}
 
 
+class Heartbeat(Msg, kw_only=True):
+    """scheduler -> detokenizer -> API, about once a second between steps: the engine is alive
+    (a hung one stops sending; the launcher then fails the deployment after --engine-timeout)."""
+
+
 class Stats(Msg, kw_only=True):
     qid: str
     stats: dict[str, Any]
@@ -156,7 +161,7 @@ class Fatal(Msg, kw_only=True):
 
 
 AnyMsg = (GenerateReq | TokenizedReq | Abort | StatsQuery | Accepted | TokenBatch | TextOut
-          | TextBatch | Error | Ready | Stats | Fatal)
+          | TextBatch | Error | Ready | Heartbeat | Stats | Fatal)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(AnyMsg)

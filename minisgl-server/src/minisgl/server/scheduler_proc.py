@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from minisgl.core import tp
@@ -12,6 +13,7 @@ from minisgl.server.messages import (
     Abort,
     Accepted,
     Error,
+    Heartbeat,
     Ready,
     Stats,
     StatsQuery,
@@ -141,8 +143,12 @@ class SchedulerServer:
 
     # -- the loop ----------------------------------------------------------------------------
     def loop(self) -> None:
+        last_beat = 0.0
         try:
             while parent_alive():
+                if time.monotonic() - last_beat > 1.0:
+                    self.socks.send("detokenizer", Heartbeat())
+                    last_beat = time.monotonic()
                 busy = self.scheduler.has_work()
                 msg = self.socks.recv(0 if busy else POLL_MS)
                 while msg is not None:  # take everything that arrived before the next step
