@@ -152,6 +152,8 @@ def serve(args: ServerArgs) -> int:
     from minisgl.core.bundled import resolve_model
     from minisgl.core.plugins import get_plugin_manager
 
+    # the tokenizer and detokenizer processes must not start thread pools next to the engine
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     engine = {k: v for k, v in args.engine.items() if k != "tp"}
     EngineConfig(model=args.model, **engine)  # bad options fail here, before any process
     get_plugin_manager()  # every process loads the plugins itself; a broken one fails here too
@@ -228,8 +230,3 @@ async def _serve(args: ServerArgs, ep: Endpoints, configs: list[EngineConfig], a
         _stop(children)
         pipe.close()
     return server.exit_code
-
-
-def main_env_check() -> None:
-    """Tokenizer threads in forked/spawned children would oversubscribe the cores."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
