@@ -82,6 +82,14 @@ class Row:
         return self.value / self.ceiling if self.higher_is_better else self.ceiling / self.value
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident memory (Linux reports ru_maxrss in KiB, macOS in bytes)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -484,6 +492,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(format_table(rows), flush=True)
     for line in peer_ratios(rows):
         print(line, flush=True)
+    info["peak_rss_mib"] = peak_rss_mib()
+    print(f"peak resident memory of this process (all systems): {info['peak_rss_mib']:,.0f} MiB",
+          flush=True)
     if args.json:
         report = {"machine": info, "ceilings": ceilings, "args": {k: v for k, v in vars(args).items()
                                                                   if k != "func"},
