@@ -164,7 +164,7 @@ def test_hung_scheduler_fails_the_deployment() -> None:
             finally:
                 cm.__exit__(None, None, None)
         waited = time.monotonic() - stopped
-        assert 1.5 < waited < 10, waited  # 3 s after the last heartbeat (sent every ~1 s)
+        assert 0.5 < waited < 15, waited  # 3 s after the last heartbeat (sent every ~1 s)
         err = next(e["error"] for e in rest if isinstance(e, dict) and "error" in e)
         assert "heartbeat" in err["message"], err
         assert wait_exit(server, 15) == 1, server.output()
