@@ -13,8 +13,12 @@ Workloads (``--scale`` multiplies every length, ``--num-requests`` the request c
   ``--cache naive`` (system ``minisgl-naive``), and HF (bench_prefix.py).
 
 * ``tp`` (not in ``all``): peak memory per rank and step time at TP=1 vs ``--tp`` (bench_tp.py).
+* ``burst``: 16 requests x 64 tokens (128-token prompts) at once: output tokens / wall time.
 * ``online``: the HTTP server (``minisgl serve``, started with the engine flags, or ``--url``)
   under 1, 8 and 32 concurrent streaming clients; server over offline throughput (bench_serve.py).
+
+``--compare llama-cpp`` adds llama.cpp (llama-cpp-python on the GGUF the bundled model comes from,
+Q4_1, one request at a time) to offline-mixed, latency and burst.
 
 ``--vs-overlap`` adds a ``minisgl-overlap`` system (overlap scheduling forced on; the CPU default
 is off) to offline-mixed and latency.
@@ -26,6 +30,7 @@ Every result is also put next to a ceiling measured in the same run: a matmul in
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -38,7 +43,7 @@ from typing import Any, Protocol
 
 import torch
 
-WORKLOADS = ("offline-mixed", "latency", "shared-prefix", "online")
+WORKLOADS = ("offline-mixed", "latency", "burst", "shared-prefix", "online")
 
 
 # ---------------------------------------------------------------------------- records
@@ -304,6 +309,46 @@ class HFSystem:
 # ---------------------------------------------------------------------------- runs
 
 
+class LlamaCppSystem:
+    """llama.cpp through llama-cpp-python on the GGUF the bundled SmolLM2 comes from (Q4_1).
+
+    Its Python API runs one sequence at a time, so offline workloads are served one by one (what
+    a user of that API gets). Greedy, exactly n tokens (``generate`` ignores EOS), no prefix reuse
+    between requests. Install: ``pip install llama-cpp-python`` (builds llama.cpp; ~10 min on 2
+    cores).
+    """
+
+    name = "llama-cpp"
+
+    def __init__(self, gguf: str, threads: int, n_ctx: int = 4096) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads,
+                         n_threads_batch=threads, n_batch=1024, verbose=False)
+
+    def _generate(self, prompt: list[int], n_out: int) -> tuple[int, float | None, float]:
+        """(tokens, seconds to the first, seconds in all)."""
+        t0 = time.perf_counter()
+        first, count = None, 0
+        for _ in self.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            count += 1
+            if first is None:
+                first = time.perf_counter() - t0
+            if count >= n_out:
+                break
+        return count, first, time.perf_counter() - t0
+
+    def run_offline(self, wl: Workload) -> tuple[int, float]:
+        total, t0 = 0, time.perf_counter()
+        for prompt, n in zip(wl.prompts, wl.output_lens):
+            total += self._generate(prompt, n)[0]
+        return total, time.perf_counter() - t0
+
+    def run_single(self, prompt: list[int], n_out: int) -> Timing:
+        count, first, total = self._generate(prompt, n_out)
+        return Timing(first if first is not None else total, total, count)
+
+
 def bench_offline(systems: Sequence[System], ids: Sequence[int], num_requests: int, scale: float,
                   repeats: int, seed: int, cost: ModelCost, ceilings: dict[str, float]) -> list[Row]:
     """Repeat r uses seed + r: fresh prompts, so a prefix cache never turns a repeat into hits."""
@@ -323,6 +368,23 @@ def bench_offline(systems: Sequence[System], ids: Sequence[int], num_requests: i
     ceiling = statistics.median(ceilings_tok_s)
     return [Row("offline-mixed", name, "output tok/s", statistics.median(x["tok_s"] for x in rs),
                 True, ceiling=ceiling, details={"runs": rs}) for name, rs in runs.items()]
+
+
+def bench_burst(systems: Sequence[System], ids: Sequence[int], scale: float, repeats: int,
+                seed: int) -> list[Row]:
+    """16 requests x 64 output tokens (128-token prompts) arriving at once; median of repeats."""
+    runs: dict[str, list[float]] = {s.name: [] for s in systems if s.name != "minisgl-naive"}
+    for r in range(repeats):
+        rng = random.Random(f"burst/{seed}/{r}")  # fresh prompts per repeat: no cache hits
+        wl = Workload("burst", [random_prompt(rng, ids, _scaled(128, scale)) for _ in range(16)],
+                      [_scaled(64, scale)] * 16)
+        for s in systems:
+            if s.name in runs:
+                tokens, secs = s.run_offline(wl)
+                runs[s.name].append(tokens / secs)
+                log(f"burst: {s.name} run {r + 1}/{repeats}: {tokens / secs:.1f} tok/s")
+    return [Row("burst", name, "16x64 output tok/s", statistics.median(v), True,
+                details={"runs": v}) for name, v in runs.items()]
 
 
 def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, repeats: int,
@@ -373,7 +435,7 @@ def peer_ratios(rows: Sequence[Row]) -> list[str]:
     for r in rows:
         if r.system != "minisgl":
             continue
-        for peer in ("minisgl-naive", "minisgl-overlap"):
+        for peer in ("minisgl-naive", "minisgl-overlap", "llama-cpp"):
             other = by_key.get((r.workload, peer, r.metric))
             if other and other.value > 0 and r.value > 0:
                 ratio = r.value / other.value if r.higher_is_better else other.value / r.value
@@ -417,6 +479,14 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
     if args.workload in ("shared-prefix", "all"):
         kw = dict(engine_kwargs(args), cache="naive")
         systems.append(MinisglSystem(LLM(model=args.model, **kw), "minisgl-naive"))
+    if args.compare == "llama-cpp":
+        from minisgl.core.bundled import _locate_gguf
+
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise RuntimeError("--compare llama-cpp needs llama-cpp-python: pip install "
+                               "llama-cpp-python")
+        log("loading llama.cpp (llama-cpp-python) on the bundled Q4_1 GGUF")
+        systems.append(LlamaCppSystem(str(_locate_gguf()), args.threads or torch.get_num_threads()))
     if args.compare == "hf":
         log("loading HF transformers model")
         tok: Any = llm.tokenizer
@@ -434,11 +504,13 @@ def _run_workloads(args: argparse.Namespace, workloads: Sequence[str], systems: 
             plain = [s for s in systems if s.name != "minisgl-naive"]
             rows += bench_offline(plain, ids, args.num_requests, args.scale, args.repeats or 1,
                                   args.data_seed, cost, ceilings)
+        elif name == "burst":
+            rows += bench_burst(systems, ids, args.scale, args.repeats or 3, args.data_seed)
         elif name == "shared-prefix":
             from minisgl.server.bench_prefix import bench_shared_prefix
 
             pairs = [(s.name, s.llm if isinstance(s, MinisglSystem) else s) for s in systems
-                     if s.name != "minisgl-overlap"]
+                     if s.name not in ("minisgl-overlap", "llama-cpp")]
             rows += bench_shared_prefix(pairs, ids, args.scale, args.repeats or 1, args.data_seed)
         elif name == "online":
             from minisgl.server.bench_serve import bench_online
@@ -515,8 +587,9 @@ def add_parser(sub: Any) -> None:
     add_engine_args(p)
     p.add_argument("--workload", choices=[*WORKLOADS, "all", "tp"], default="offline-mixed",
                    help="all = every workload but tp; tp = TP=1 vs TP=--tp memory and step time")
-    p.add_argument("--compare", choices=["none", "hf"], default="none",
-                   help="also run HF transformers generate on the same prompts and dtype")
+    p.add_argument("--compare", choices=["none", "hf", "llama-cpp"], default="none",
+                   help="also run HF transformers generate (same prompts and dtype) or llama.cpp "
+                        "(llama-cpp-python, the bundled Q4_1 GGUF, one request at a time)")
     p.add_argument("--num-requests", type=int, default=64, help="offline-mixed request count")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply every prompt/output length (e.g. 0.25 for a smoke run)")
