@@ -36,6 +36,7 @@ import os
 import random
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -456,6 +457,34 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: Sequence[Row], path: str, title: str) -> None:
+    """A PNG: one panel per workload metric, a bar per system (matplotlib, imported here)."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(dict.fromkeys((r.workload, r.metric) for r in rows))
+    cols = min(3, len(keys))
+    nrows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    for ax, (workload, metric) in zip(axes.flat, keys):
+        sel = [r for r in rows if (r.workload, r.metric) == (workload, metric)]
+        ax.bar([r.system for r in sel], [r.value for r in sel],
+               color=["tab:blue" if r.system.startswith("minisgl") else "tab:gray" for r in sel])
+        better = "higher" if sel[0].higher_is_better else "lower"
+        ax.set_title(f"{workload}\n{metric} ({better} is better)", fontsize=9)
+        ax.tick_params(axis="x", labelsize=8, rotation=20)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.suptitle(textwrap.fill(title, 60 * cols), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def machine_line(info: dict[str, Any], ceilings: dict[str, float]) -> str:
     return (f"machine: {info['cores']} cores, {info['torch_threads']} torch threads, "
             f"dtype {info['dtype']}, torch {info['torch']}, load {info['load_average_1m']}; ceilings: "
@@ -565,6 +594,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for line in peer_ratios(rows):
         print(line, flush=True)
     info["peak_rss_mib"] = peak_rss_mib()
+    if args.plot:
+        plot(rows, args.plot, machine_line(info, ceilings))
+        log(f"wrote {args.plot}")
     print(f"peak resident memory of this process (all systems): {info['peak_rss_mib']:,.0f} MiB",
           flush=True)
     if args.json:
@@ -601,6 +633,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--data-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="draw the results as a PNG chart (needs matplotlib)")
     p.add_argument("--concurrency", default="1,8,32",
                    help="online: concurrent client counts (comma-separated)")
     p.add_argument("--url", default=None,
