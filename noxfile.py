@@ -3,7 +3,7 @@
     nox                      # everything CI runs: per-package tests x attention backend, lint, typecheck, smoke
     nox -s serve             # the main job: serve the bundled SmolLM2 on http://127.0.0.1:1919
     nox -s demo              # one chat answer from the offline engine
-    nox -s bench             # minisgl vs HF transformers (numbers, not tests)
+    nox -s bench             # minisgl vs HF (+ llama.cpp): numbers, JSON and PNG charts, not tests
 
 Python 3.11 is the interpreter with a local CPU torch wheel here; set MINISGL_NOX_PYTHONS=3.11,3.12
 to opt into more. torch is pinned and installed first so nothing pulls a CUDA build.
@@ -83,7 +83,7 @@ def serve(session: nox.Session) -> None:
 
 @nox.session(python=PYTHONS[0])
 def demo(session: nox.Session) -> None:
-    """The main job: chat with the bundled SmolLM2 (pass a question as posargs)."""
+    """One chat answer from the offline engine on the bundled SmolLM2 (a question as posargs)."""
     install(session)
     question = " ".join(session.posargs) or "What is the capital of France?"
     session.run("minisgl", "generate", "--chat", "--max-tokens", "128", question, env=ENV)
@@ -91,8 +91,16 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHONS[0])
 def bench(session: nox.Session) -> None:
-    """minisgl vs HF transformers on the bundled model (offline-mixed and latency)."""
+    """minisgl vs HF transformers (and llama.cpp with MINISGL_BENCH_LLAMA_CPP=1, which builds
+    llama-cpp-python, ~10 min on 2 cores): latency, burst, offline-mixed; a table, bench.json and
+    bench.png. posargs replace the default flags."""
     install(session)
-    args = session.posargs or ["--compare", "hf"]
-    for workload in ("latency", "offline-mixed"):
+    session.install("matplotlib")
+    peers = "hf"
+    if os.environ.get("MINISGL_BENCH_LLAMA_CPP") == "1":
+        session.install("llama-cpp-python")
+        peers += ",llama-cpp"
+    for workload in ("latency", "burst", "offline-mixed"):
+        args = session.posargs or ["--compare", peers, "--json", f"bench-{workload}.json",
+                                   "--plot", f"bench-{workload}.png"]
         session.run("minisgl", "bench", "--workload", workload, *args, env=ENV)

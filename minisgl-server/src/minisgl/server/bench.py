@@ -495,6 +495,18 @@ def machine_line(info: dict[str, Any], ceilings: dict[str, float]) -> str:
 # ---------------------------------------------------------------------------- command
 
 
+PEERS = ("hf", "llama-cpp")
+
+
+def compare_list(value: str) -> list[str]:
+    """``--compare``: none, or peers separated by commas (hf, llama-cpp)."""
+    peers = [p for p in value.split(",") if p and p != "none"]
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        raise ValueError(f"compare: unknown peer {bad[0]!r}; use none or any of {', '.join(PEERS)}")
+    return peers
+
+
 def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
     from minisgl.core import LLM
     from minisgl.server.cli import engine_kwargs
@@ -508,7 +520,8 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
     if args.workload in ("shared-prefix", "all"):
         kw = dict(engine_kwargs(args), cache="naive")
         systems.append(MinisglSystem(LLM(model=args.model, **kw), "minisgl-naive"))
-    if args.compare == "llama-cpp":
+    peers = compare_list(args.compare)
+    if "llama-cpp" in peers:
         from minisgl.core.bundled import _locate_gguf
 
         if importlib.util.find_spec("llama_cpp") is None:
@@ -516,7 +529,7 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
                                "llama-cpp-python")
         log("loading llama.cpp (llama-cpp-python) on the bundled Q4_1 GGUF")
         systems.append(LlamaCppSystem(str(_locate_gguf()), args.threads or torch.get_num_threads()))
-    if args.compare == "hf":
+    if "hf" in peers:
         log("loading HF transformers model")
         tok: Any = llm.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else llm.engine.model_config.eos_token_ids[0]
@@ -554,6 +567,7 @@ def _run_workloads(args: argparse.Namespace, workloads: Sequence[str], systems: 
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    compare_list(args.compare)  # a bad peer fails before anything loads
     if args.workload == "tp":  # every configuration in its own process (bench_tp.py)
         from minisgl.server.bench_tp import bench_tp
 
@@ -619,9 +633,10 @@ def add_parser(sub: Any) -> None:
     add_engine_args(p)
     p.add_argument("--workload", choices=[*WORKLOADS, "all", "tp"], default="offline-mixed",
                    help="all = every workload but tp; tp = TP=1 vs TP=--tp memory and step time")
-    p.add_argument("--compare", choices=["none", "hf", "llama-cpp"], default="none",
-                   help="also run HF transformers generate (same prompts and dtype) or llama.cpp "
-                        "(llama-cpp-python, the bundled Q4_1 GGUF, one request at a time)")
+    p.add_argument("--compare", default="none", metavar="PEERS",
+                   help="comma-separated peers: hf (transformers generate, same prompts and "
+                        "dtype), llama-cpp (llama-cpp-python, the bundled Q4_1 GGUF, one request "
+                        "at a time); default none")
     p.add_argument("--num-requests", type=int, default=64, help="offline-mixed request count")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply every prompt/output length (e.g. 0.25 for a smoke run)")
