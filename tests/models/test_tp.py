@@ -34,6 +34,7 @@ import torch
 from minisgl.core import LLM, RequestOutput, SamplingParams
 from minisgl.core.config import ModelConfig
 from minisgl.core.tp import check_tp_split
+from tests.procs import children
 
 from .conftest import SPECS, VOCAB, TinySpec
 from .reference import (
@@ -75,19 +76,8 @@ def close_cleanly(llm: LLM) -> None:
 
 
 def child_pids() -> set[int]:
-    """Live child processes of this process (from /proc)."""
-    me, pids = os.getpid(), set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == me and fields[0] not in ("Z", "X"):
-            pids.add(int(entry))
-    return pids
+    """Live child processes of this process."""
+    return children(os.getpid())
 
 
 def assert_no_new_children(before: tuple[set[int], set[Any]]) -> None:

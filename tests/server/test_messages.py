@@ -51,3 +51,14 @@ def test_wrong_field_type_is_refused() -> None:
     data = msgspec.msgpack.encode({"type": "Abort", "v": m.VERSION, "rid": 5})
     with pytest.raises(msgspec.ValidationError):
         m.decode(data)
+
+
+def test_params_carry_exactly_the_sampling_fields() -> None:
+    """The wire struct is SamplingParams' fields plus the logprobs flag: the scheduler builds
+    SamplingParams from it field by field, so the two must not drift apart."""
+    import dataclasses
+
+    from minisgl.core.sampling_params import SamplingParams
+
+    wire = set(msgspec.structs.asdict(m.Params())) - {"logprobs"}
+    assert wire == {f.name for f in dataclasses.fields(SamplingParams)}

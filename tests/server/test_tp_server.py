@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from minisgl.core import LLM, SamplingParams
+from tests.procs import descendants
 
 from .conftest import BASE_ARGS, Server, alive, free_port, start_server, wait_dead
 
@@ -41,27 +42,6 @@ CHATS = [
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-
-def descendants(pid: int) -> list[int]:
-    """Live descendants of ``pid`` (from /proc), children first."""
-    parent_of: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] not in ("Z", "X"):
-            parent_of[int(entry)] = int(fields[1])
-    out, frontier = [], [pid]
-    while frontier:
-        kids = [c for c, p in parent_of.items() if p in frontier]
-        out += kids
-        frontier = kids
-    return out
 
 
 def kill_all(pids: list[int]) -> None:

@@ -23,6 +23,24 @@ Message = dict[str, Any]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
+def load_tokenizer(path: str) -> Any:
+    """The checkpoint's HF tokenizer, or None when it has none (tiny test models): such models
+    still take token-id prompts."""
+    from transformers import AutoTokenizer
+
+    if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+def chat_token_ids(tokenizer: Any, messages: list[Message]) -> list[int]:
+    """The chat template applied to one conversation, with the generation prompt, as ids."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers >= 5 BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 @dataclass
 class RequestOutput:
     prompt: str | None
@@ -45,8 +63,6 @@ class LLM:
 
     def __init__(self, model: str = "smollm2", dtype: str = "auto", tp: int = 1,
                  **kwargs: Any) -> None:
-        from transformers import AutoTokenizer
-
         known = {f.name for f in dataclasses.fields(EngineConfig)} - {"tp_rank", "tp_size"}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -79,9 +95,7 @@ class LLM:
             raise
         self.engine: Engine = scheduler.engine
         self.scheduler: Any = Lockstep(scheduler, channel)
-        # checkpoints without tokenizer files (tiny test models) still take token-id prompts
-        has_tok = any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)
-        self.tokenizer = AutoTokenizer.from_pretrained(path) if has_tok else None
+        self.tokenizer = load_tokenizer(path)
 
     # -- helpers -----------------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> list[int]:
@@ -213,8 +227,5 @@ class LLM:
         convs: Sequence[list[Message]] = [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[list-item,assignment]
         prompts: list[Prompt] = []
         for conv in convs:
-            ids = self._need_tokenizer("messages").apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers >= 5 BatchEncoding
-                ids = ids["input_ids"]
-            prompts.append(list(ids))
+            prompts.append(chat_token_ids(self._need_tokenizer("messages"), conv))
         return self.generate(prompts, sampling_params)

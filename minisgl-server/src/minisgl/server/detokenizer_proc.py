@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from minisgl.core.llm import load_tokenizer
 from minisgl.server.detokenize import TextStream, token_bytes, token_text
 from minisgl.server.ipc import POLL_MS, Endpoints, Sockets, child_main, parent_alive
 from minisgl.server.messages import (
@@ -21,7 +22,6 @@ from minisgl.server.messages import (
     TokenBatch,
     TokenOut,
 )
-from minisgl.server.tokenizer_proc import load_tokenizer
 
 
 @dataclass

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+
 from minisgl.core import tp
 from minisgl.core.config import EngineConfig
 from minisgl.core.tp import Lockstep, start_rank
@@ -72,12 +74,10 @@ class SchedulerServer:
             if n + max_tokens > limit:
                 raise ValueError(f"max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) "
                                  f"= {n + max_tokens} exceeds the context length of {limit} tokens")
-            sp = SamplingParams(
-                max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                min_p=p.min_p, repetition_penalty=p.repetition_penalty,
-                frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
-                seed=p.seed, stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-                top_logprobs=p.top_logprobs)
+            # the wire struct is SamplingParams' fields plus "send logprobs back at all"
+            fields = msgspec.structs.asdict(p)
+            del fields["logprobs"]
+            sp = SamplingParams(**(fields | {"max_tokens": max_tokens}))
             req = Req(list(msg.input_ids), sp, frozenset(self.engine.model_config.eos_token_ids))
             self.scheduler.validate(req)
         except ValueError as e:

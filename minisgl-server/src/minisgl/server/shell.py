@@ -8,7 +8,6 @@ given engine flags (stopped when the shell exits). Commands: /reset (forget the 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -17,19 +16,15 @@ from typing import Any, TextIO
 
 import httpx
 
+from minisgl.core.tp import free_addr
+
 HELP = "Type a message. /reset forgets the conversation, /exit (or Ctrl-D) quits, " \
        "Ctrl-C stops a reply."
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_server(serve_argv: list[str], timeout: float = 600.0) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``minisgl serve`` in its own session (so Ctrl-C in the shell does not reach it)."""
-    port = free_port()
+    port = int(free_addr().rpartition(":")[2])
     cmd = [sys.executable, "-m", "minisgl.server.cli", "serve", *serve_argv, "--port", str(port)]
     proc = subprocess.Popen(cmd, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -4,20 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from minisgl.core.llm import chat_token_ids, load_tokenizer
 from minisgl.server.ipc import POLL_MS, Endpoints, Sockets, child_main, parent_alive
 from minisgl.server.messages import Abort, Error, GenerateReq, Ready, StatsQuery, TokenizedReq
-
-
-def load_tokenizer(model_path: str) -> Any:
-    """The model's HF tokenizer, or None for a checkpoint without one (token-id prompts only)."""
-    import os
-
-    from transformers import AutoTokenizer
-
-    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any(os.path.exists(os.path.join(model_path, f)) for f in files):
-        return None
-    return AutoTokenizer.from_pretrained(model_path)
 
 
 def tokenize(tokenizer: Any, req: GenerateReq) -> list[int]:
@@ -28,13 +17,9 @@ def tokenize(tokenizer: Any, req: GenerateReq) -> list[int]:
         raise ValueError(f"{req.field}: this model has no tokenizer; send token ids")
     if req.messages is not None:
         try:
-            ids = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
-                                                tokenize=True)
+            return chat_token_ids(tokenizer, req.messages)
         except Exception as e:  # the template itself may reject a conversation (jinja raise)
             raise ValueError(f"messages: the chat template rejected them: {e}") from e
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers >= 5
-            ids = ids["input_ids"]
-        return list(ids)
     return list(tokenizer.encode(req.text or ""))
 
 
