@@ -17,6 +17,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the engine needs from an HF ``config.json`` (+ ``generation_config.json``)."""
@@ -67,8 +70,9 @@ class ModelConfig:
             for t in src if isinstance(src, list) else ([src] if src is not None else []):
                 if int(t) not in eos:
                     eos.append(int(t))
-        gen_defaults: dict[str, Any] = {k: gen[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty")
-                        if k in gen and gen.get("do_sample", True)}
+        # sampling defaults for requests that leave these fields out (the server's; vLLM's set)
+        gen_defaults: dict[str, Any] = {k: gen[k] for k in GENERATION_DEFAULTS
+                                        if gen.get(k) is not None}
         return cls(
             path=str(p),
             architecture=archs[0],

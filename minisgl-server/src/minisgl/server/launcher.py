@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import multiprocessing as mp
 import os
 import signal
@@ -20,17 +19,14 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import uvicorn
 
-from minisgl.core.config import EngineConfig
+from minisgl.core.config import EngineConfig, ModelConfig
 from minisgl.server import detokenizer_proc, scheduler_proc, tokenizer_proc
 from minisgl.server.api import Pipeline, build_app
 from minisgl.server.ipc import Endpoints
-
-GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass
@@ -47,15 +43,6 @@ class ServerArgs:
     node_rank: int = 0  # this machine: 0 serves HTTP and holds rank 0
     dist_init_addr: str | None = None  # host:port of rank 0's rendezvous (needed with nnodes > 1)
     engine_timeout: float = 300.0  # seconds without a scheduler heartbeat before failing
-
-
-def generation_defaults(model_path: str) -> dict[str, Any]:
-    """Sampling defaults from generation_config.json (vLLM's choice of fields)."""
-    path = Path(model_path) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    cfg = json.loads(path.read_text())
-    return {k: cfg[k] for k in GENERATION_DEFAULTS if cfg.get(k) is not None}
 
 
 class _Uvicorn(uvicorn.Server):
@@ -100,9 +87,6 @@ async def _watch(children: list[mp.process.BaseProcess], pipe: Pipeline, server:
                 await asyncio.sleep(0.2)  # let the streams in flight send their error event
                 server.should_exit = True
                 return
-        if pipe.dead is not None:  # a child reported a fatal error and is on its way out
-            await asyncio.sleep(0.1)
-            continue
         await asyncio.sleep(0.1)
 
 
@@ -128,7 +112,6 @@ def _stop(children: list[mp.process.BaseProcess], timeout: float = 5.0) -> None:
 
 def rank_configs(args: ServerArgs, path: str) -> tuple[list[EngineConfig], str]:
     """The EngineConfig of every rank on this node, and the rendezvous address."""
-    from minisgl.core.config import ModelConfig
     from minisgl.core.tp import check_tp_split, free_addr
 
     engine = dict(args.engine)
@@ -198,7 +181,7 @@ def _serve_ranks(configs: list[EngineConfig], addr: str) -> int:
 
 async def _serve(args: ServerArgs, ep: Endpoints, configs: list[EngineConfig], addr: str,
                  path: str, served: str, started: float) -> int:
-    pipe = Pipeline(ep, served, generation_defaults(path))
+    pipe = Pipeline(ep, served, ModelConfig.from_pretrained(path).generation_defaults)
     ctx = mp.get_context("spawn")
     children = [
         ctx.Process(target=scheduler_proc.run, args=(ep, configs[0], addr, len(configs)),
