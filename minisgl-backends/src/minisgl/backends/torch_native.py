@@ -1,6 +1,6 @@
 """Paged attention in plain PyTorch, for CPU and CUDA.
 
-Decode (the step that is compiled / graph-captured later): every request's cached keys are
+Decode (the step ``--compile`` compiles; see ``decode_dims``): every request's cached keys are
 gathered into a padded [B, Lk] layout with index tensors built once per step (Lk rounded up to a
 bucket), then two batched matmuls with a boolean mask; no data-dependent Python per layer.
 Prefill/extend runs eager, one scaled_dot_product_attention per request: a request without a
@@ -67,6 +67,11 @@ class TorchNativeBackend(AttentionBackend):
             segments.append(Segment(start, n, prefix, slots, mask))
             start += n
         return TorchNativeMeta(layout.out_loc.to(dev), segments=segments)
+
+    def decode_dims(self, meta: TorchNativeMeta) -> list[tuple[torch.Tensor, int, str]] | None:
+        assert meta.kv_slots is not None and meta.mask is not None
+        return [(meta.out_loc, 0, "batch"), (meta.kv_slots, 0, "batch"), (meta.mask, 0, "batch"),
+                (meta.kv_slots, 1, "kv"), (meta.mask, 1, "kv")]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 meta: TorchNativeMeta) -> torch.Tensor:

@@ -53,6 +53,14 @@ class AttentionBackend(abc.ABC):
         Returns [T, heads * head_dim]. Causal over each request's cached prefix + new tokens.
         """
 
+    def decode_dims(self, meta: Any) -> list[tuple[torch.Tensor, int, str]] | None:
+        """For a compilable decode step: the dims of ``meta``'s tensors that vary between steps,
+        each ``(tensor, dim, "batch" | "kv")`` (number of requests / keys per request). None
+        (the default): this backend's decode is not compiled (``--compile`` leaves it eager).
+        A compilable ``forward`` must be traceable by torch.compile: tensor ops only, no
+        data-dependent Python control flow in the decode path."""
+        return None
+
 
 @dataclass
 class ForwardContext:

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from minisgl.core.compile import COMPILE_MODES
+
 
 def _read_json(path: Path) -> dict[str, Any]:
     with open(path) as f:
@@ -143,6 +145,9 @@ class EngineConfig:
     tp_size: int = 1
     dist_timeout: float = 300.0  # seconds a TP collective may wait before it is an error
     quantization: str | None = None  # "int8": weight-only int8 linear layers and LM head
+    # torch.compile of the decode step (compile.py): auto | on (background) | wait | off.
+    # The default comes from $MINISGL_COMPILE when set (the test matrix runs both ways).
+    compile: str = field(default_factory=lambda: os.environ.get("MINISGL_COMPILE", "auto"))
 
     def __post_init__(self) -> None:
         checks = [
@@ -158,6 +163,7 @@ class EngineConfig:
             ("tp_size", self.tp_size >= 1 and 0 <= self.tp_rank < self.tp_size, "bad tp rank/size"),
             ("dist_timeout", self.dist_timeout > 0, "must be > 0 seconds"),
             ("quantization", self.quantization in (None, "int8"), "must be None or 'int8'"),
+            ("compile", self.compile in COMPILE_MODES, f"must be one of {', '.join(COMPILE_MODES)}"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -10,10 +10,11 @@ from typing import Any
 import torch
 
 from minisgl.core.attention import AttentionBackend, BatchLayout, ForwardContext
+from minisgl.core.compile import DecodeGraphs, DynamicDims, resolve_mode
 from minisgl.core.config import EngineConfig, ModelConfig, resolve_dtype
 from minisgl.core.distributed import Communicator
 from minisgl.core.kvcache import KVPool, PageAllocator, ReqToTokenTable
-from minisgl.core.layers.quant import quantize_model_int8
+from minisgl.core.layers.quant import prepack_model, quantize_model_int8
 from minisgl.core.model import CausalLM
 from minisgl.core.plugins import PluginManager, get_plugin_manager
 from minisgl.core.request import Batch, Req
@@ -57,6 +58,8 @@ class Engine:
         self.model.load_weights(iter_weights(mc.path))
         if config.quantization == "int8":
             quantize_model_int8(self.model)
+        else:
+            prepack_model(self.model)  # bf16 on CPU: oneDNN layout (no-op elsewhere)
         self.model.eval()
 
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
@@ -81,6 +84,29 @@ class Engine:
         self.future = torch.zeros(4 * config.max_running_requests + 8, dtype=torch.int64,
                                   device=self.device)
         self._next_future = 0
+        self.decode_graphs: DecodeGraphs | None = None
+        self.compile_mode = resolve_mode(config.compile, self.device, tp)
+        if self.compile_mode != "off":
+            self.decode_graphs = DecodeGraphs(self._forward, self._decode_dims,
+                                              self._dummy_decode, config.max_running_requests)
+            self.decode_graphs.start(wait=self.compile_mode == "wait")
+
+    def _dummy_decode(self, batch_size: int, kv_len: int) -> tuple[Any, ...]:
+        """Arguments of ``_forward`` for a decode step that reads and writes only slot 0 (the
+        scratch page): compiles a graph while real requests run eager."""
+        zeros = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
+        layout = BatchLayout("decode", [1] * batch_size, [kv_len] * batch_size, [0] * batch_size,
+                             torch.zeros(1, kv_len, dtype=torch.int64, device=self.device), zeros)
+        return zeros, zeros.clone(), self.backend.prepare(layout), torch.arange(
+            batch_size, device=self.device)
+
+    def _decode_dims(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                     logits_indices: torch.Tensor) -> DynamicDims:
+        dims = self.backend.decode_dims(meta)
+        if dims is None:
+            raise NotImplementedError(f"attention backend {self.config.attention_backend!r} "
+                                      "has no compilable decode (decode_dims)")
+        return [(ids, 0, "batch"), (positions, 0, "batch"), (logits_indices, 0, "batch"), *dims]
 
     def prepare(self, batch: Batch) -> ForwardInputs:
         """Flatten the batch (no padding) and build the attention layout for it."""
@@ -108,11 +134,22 @@ class Engine:
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
         """Float32 logits [N, vocab] for the sampled rows of the batch."""
-        ids = inputs.input_ids
-        ids = torch.where(ids >= 0, ids, self.future[(-1 - ids).clamp(min=0)])
         meta = inputs.meta if inputs.meta is not None else self.backend.prepare(inputs.layout)
-        hidden = self.model(ids, inputs.positions, ForwardContext(self.backend, meta))
-        return self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        args = (inputs.input_ids, inputs.positions, meta, inputs.logits_indices)
+        n = inputs.input_ids.shape[0]
+        if (self.decode_graphs is not None and inputs.layout.phase == "decode"
+                and inputs.logits_indices.shape[0] == n):
+            out = self.decode_graphs.run(args, n)
+            if out is not None:
+                return out
+        return self._forward(*args)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                 logits_indices: torch.Tensor) -> torch.Tensor:
+        """The forward itself (compiled for decode by ``decode_graphs``)."""
+        ids = torch.where(ids >= 0, ids, self.future[(-1 - ids).clamp(min=0)])
+        hidden = self.model(ids, positions, ForwardContext(self.backend, meta))
+        return self.model.compute_logits(hidden[logits_indices]).float()
 
     @torch.inference_mode()
     def prompt_logprobs(self, req: Req) -> torch.Tensor:
