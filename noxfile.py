@@ -1,6 +1,6 @@
 """The test matrix and the user-facing sessions.
 
-    nox                      # everything CI runs: per-package tests x attention backend, lint, typecheck, smoke
+    nox                      # everything CI runs: per-package tests x attention backend, compiled decode, lint, typecheck, smoke
     nox -s serve             # the main job: serve the bundled SmolLM2 on http://127.0.0.1:1919
     nox -s demo              # one chat answer from the offline engine
     nox -s bench             # minisgl vs HF (+ llama.cpp): numbers, JSON and PNG charts, not tests
@@ -22,7 +22,7 @@ PACKAGES = ["minisgl-core", "minisgl-models", "minisgl-backends", "minisgl-serve
 TEST_DEPS = ["pytest", "hypothesis", "gguf>=0.10", "accelerate>=1.0", "openai>=1.40", "httpx"]
 ENV = {"MINISGL_STRICT_PLUGINS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
-nox.options.sessions = ["tests", "lint", "typecheck", "smoke"]
+nox.options.sessions = ["tests", "tests-compiled", "lint", "typecheck", "smoke"]
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -47,6 +47,18 @@ def tests(session: nox.Session, package: str, backend: str | None) -> None:
     install(session, fixtures=True)
     env = dict(ENV, MINISGL_TEST_BACKEND=backend or "torch")
     session.run("pytest", f"tests/{package}", "-q", *session.posargs, env=env)
+
+
+@nox.session(python=PYTHONS[0], name="tests-compiled")
+def tests_compiled(session: nox.Session) -> None:
+    """Decode steps through torch.compile (MINISGL_COMPILE=wait): the compile tests and every
+    tiny model's step-by-step logits against HF. posargs replace the selection, e.g.
+    `nox -s tests-compiled -- tests/models` (every model test compiled: ~1 h on 2 cores, each
+    engine compiles its 3 buckets)."""
+    install(session, fixtures=True)
+    args = session.posargs or ["tests/models/test_compile.py", "tests/models/test_hf_reference.py",
+                               "-k", "test_compile or (every_step_logits_match_hf and page16])"]
+    session.run("pytest", *args, "-q", env=dict(ENV, MINISGL_COMPILE="wait"))
 
 
 @nox.session(python=False)
@@ -103,4 +115,4 @@ def bench(session: nox.Session) -> None:
     for workload in ("latency", "burst", "offline-mixed"):
         args = session.posargs or ["--compare", peers, "--json", f"bench-{workload}.json",
                                    "--plot", f"bench-{workload}.png"]
-        session.run("minisgl", "bench", "--workload", workload, *args, env=ENV)
+        session.run("minisgl", "bench", workload, *args, env=ENV)

@@ -1,4 +1,5 @@
-"""Shared fixtures. Tests run with MINISGL_STRICT_PLUGINS=1 (plugin import errors fail loudly)."""
+"""Shared fixtures. Tests run with MINISGL_STRICT_PLUGINS=1 (plugin import errors fail loudly)
+and, unless MINISGL_COMPILE says otherwise, eager decode steps."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import pytest
 
 os.environ.setdefault("MINISGL_STRICT_PLUGINS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Engines (and servers the tests start) run eager unless the session asks for compiled decode
+# steps: nox's tests-compiled sessions set MINISGL_COMPILE=wait.
+os.environ.setdefault("MINISGL_COMPILE", "off")
 
 
 @pytest.fixture(scope="session")

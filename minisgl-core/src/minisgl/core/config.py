@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from minisgl.core.compile import COMPILE_MODES
+from minisgl.core.compile import COMPILE_MODES, default_mode
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -145,9 +145,8 @@ class EngineConfig:
     tp_size: int = 1
     dist_timeout: float = 300.0  # seconds a TP collective may wait before it is an error
     quantization: str | None = None  # "int8": weight-only int8 linear layers and LM head
-    # torch.compile of the decode step (compile.py): auto | on (background) | wait | off.
-    # The default comes from $MINISGL_COMPILE when set (the test matrix runs both ways).
-    compile: str = field(default_factory=lambda: os.environ.get("MINISGL_COMPILE", "auto"))
+    # torch.compile of the decode step (compile.py): auto | on (background) | wait | off
+    compile: str = field(default_factory=default_mode)
 
     def __post_init__(self) -> None:
         checks = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -88,17 +89,27 @@ class Engine:
         self.compile_mode = resolve_mode(config.compile, self.device, tp)
         if self.compile_mode != "off":
             self.decode_graphs = DecodeGraphs(self._forward, self._decode_dims,
-                                              self._dummy_decode, config.max_running_requests)
+                                              self._dummy_decode, config.max_running_requests,
+                                              self._worker_config())
             self.decode_graphs.start(wait=self.compile_mode == "wait")
+
+    def _worker_config(self) -> dict[str, Any]:
+        """This engine's config as JSON-able fields, for the compile worker process."""
+        cfg = dataclasses.asdict(self.config)
+        if isinstance(cfg["dtype"], torch.dtype):
+            cfg["dtype"] = str(cfg["dtype"]).removeprefix("torch.")
+        return cfg
 
     def _dummy_decode(self, batch_size: int, kv_len: int) -> tuple[Any, ...]:
         """Arguments of ``_forward`` for a decode step that reads and writes only slot 0 (the
         scratch page): compiles a graph while real requests run eager."""
-        zeros = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
+        def zeros(*shape: int) -> torch.Tensor:  # a fresh tensor each: no aliased arguments
+            return torch.zeros(shape, dtype=torch.int64, device=self.device)
+
         layout = BatchLayout("decode", [1] * batch_size, [kv_len] * batch_size, [0] * batch_size,
-                             torch.zeros(1, kv_len, dtype=torch.int64, device=self.device), zeros)
-        return zeros, zeros.clone(), self.backend.prepare(layout), torch.arange(
-            batch_size, device=self.device)
+                             zeros(1, kv_len), zeros(batch_size))
+        return (zeros(batch_size), zeros(batch_size), self.backend.prepare(layout),
+                torch.arange(batch_size, device=self.device))
 
     def _decode_dims(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any,
                      logits_indices: torch.Tensor) -> DynamicDims:
@@ -106,7 +117,9 @@ class Engine:
         if dims is None:
             raise NotImplementedError(f"attention backend {self.config.attention_backend!r} "
                                       "has no compilable decode (decode_dims)")
-        return [(ids, 0, "batch"), (positions, 0, "batch"), (logits_indices, 0, "batch"), *dims]
+        pool = [(t, 1, "pool") for t in self.kv.k + self.kv.v]  # [kv_heads, slots, head_dim]
+        return [(ids, 0, "batch"), (positions, 0, "batch"), (logits_indices, 0, "batch"), *dims,
+                *pool]
 
     def prepare(self, batch: Batch) -> ForwardInputs:
         """Flatten the batch (no padding) and build the attention layout for it."""

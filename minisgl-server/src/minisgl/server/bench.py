@@ -507,19 +507,33 @@ def compare_list(value: str) -> list[str]:
     return peers
 
 
-def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
-    from minisgl.core import LLM
+def bench_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags, with compilation (where it is on) finished before timing starts: the
+    bench measures the steady state and reports compile time apart."""
+    from minisgl.core.compile import default_mode, resolve_mode
     from minisgl.server.cli import engine_kwargs
 
+    kw = engine_kwargs(args)
+    if resolve_mode(kw.get("compile") or default_mode(), torch.device(args.device), args.tp) == "on":
+        kw["compile"] = "wait"
+    return kw
+
+
+def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
+    from minisgl.core import LLM
+
+    kw = bench_engine_kwargs(args)
     log(f"loading minisgl ({args.model})")
-    llm = LLM(model=args.model, **engine_kwargs(args))
+    llm = LLM(model=args.model, **kw)
+    if llm.engine.decode_graphs is not None:
+        log(f"decode graphs compiled in {llm.engine.decode_graphs.describe()}")
     systems: list[System] = [MinisglSystem(llm)]
     if args.vs_overlap:
-        kw = dict(engine_kwargs(args), overlap=True)
-        systems.append(MinisglSystem(LLM(model=args.model, **kw), "minisgl-overlap"))
+        systems.append(MinisglSystem(LLM(model=args.model, **dict(kw, overlap=True)),
+                                     "minisgl-overlap"))
     if args.workload in ("shared-prefix", "all"):
-        kw = dict(engine_kwargs(args), cache="naive")
-        systems.append(MinisglSystem(LLM(model=args.model, **kw), "minisgl-naive"))
+        systems.append(MinisglSystem(LLM(model=args.model, **dict(kw, cache="naive")),
+                                     "minisgl-naive"))
     peers = compare_list(args.compare)
     if "llama-cpp" in peers:
         from minisgl.core.bundled import _locate_gguf
@@ -631,8 +645,10 @@ def add_parser(sub: Any) -> None:
         "bench", help="benchmarks (minisgl vs HF)", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p)
-    p.add_argument("--workload", choices=[*WORKLOADS, "all", "tp"], default="offline-mixed",
-                   help="all = every workload but tp; tp = TP=1 vs TP=--tp memory and step time")
+    p.add_argument("workload", nargs="?", choices=[*WORKLOADS, "all", "tp"],
+                   default="offline-mixed",
+                   help="what to run (default offline-mixed); all = every workload but tp; "
+                        "tp = TP=1 vs TP=--tp memory and step time")
     p.add_argument("--compare", default="none", metavar="PEERS",
                    help="comma-separated peers: hf (transformers generate, same prompts and "
                         "dtype), llama-cpp (llama-cpp-python, the bundled Q4_1 GGUF, one request "

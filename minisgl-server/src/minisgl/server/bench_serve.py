@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from minisgl.server.bench import Row, Workload, log, offline_mixed
+from minisgl.server.bench import Row, Workload, bench_engine_kwargs, log, offline_mixed
 
 
 @dataclass
@@ -114,7 +114,7 @@ def bench_online(args: Any, system: Any, ids: list[int]) -> list[Row]:
     proc, url = None, args.url
     if url is None:
         log("online: starting the server")
-        proc, url = start_server(engine_flags(args))
+        proc, url = start_server(engine_flags(args, bench_engine_kwargs(args)))
     rows: list[Row] = []
     try:
         warm = offline_mixed(ids, 2, args.scale * 0.25, args.data_seed + 1000)

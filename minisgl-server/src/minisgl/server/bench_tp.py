@@ -1,4 +1,4 @@
-"""``minisgl bench --workload tp``: what tensor parallelism costs and saves on this machine.
+"""``minisgl bench tp``: what tensor parallelism costs and saves on this machine.
 
 For TP=1 and TP=``--tp``, each in a fresh process (so peak memory is that configuration's alone):
 peak resident memory of every rank after loading and a warm-up (VmHWM, includes the loading

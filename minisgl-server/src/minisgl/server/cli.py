@@ -39,6 +39,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes)")
     p.add_argument("--dist-timeout", type=float, default=defaults["dist_timeout"],
                    help="seconds a TP collective may wait before the deployment fails")
+    p.add_argument("--compile", default=None, choices=["auto", "on", "off", "wait"],
+                   help="torch.compile of the decode step: on = in the background, eager until "
+                        "ready; wait = before serving; auto (default, $MINISGL_COMPILE "
+                        "overrides) = on for one CPU rank, else off")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -46,7 +50,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "overlap", "page_size",
             "num_pages", "kv_cache_memory", "max_running_requests", "max_prefill_tokens",
             "max_model_len", "seed", "tp", "dist_timeout", "quantization"]
-    return {k: getattr(args, k) for k in keys}
+    kw = {k: getattr(args, k) for k in keys}
+    if args.compile is not None:  # else EngineConfig's default ($MINISGL_COMPILE or auto)
+        kw["compile"] = args.compile
+    return kw
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -90,10 +97,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             engine_timeout=args.engine_timeout))
 
 
-def engine_flags(args: argparse.Namespace) -> list[str]:
-    """The engine flags of ``args`` again, for a ``minisgl serve`` started by another command."""
+def engine_flags(args: argparse.Namespace, kwargs: dict[str, Any] | None = None) -> list[str]:
+    """The engine flags of ``args`` (or ``kwargs``) again, for a ``minisgl serve`` started by
+    another command."""
     argv = ["--model", args.model]
-    for key, value in engine_kwargs(args).items():
+    for key, value in (kwargs or engine_kwargs(args)).items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])

@@ -48,7 +48,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
 def can_prepack(weight: torch.Tensor) -> bool:
     """Whether ``weight`` can use oneDNN's prepacked bf16 matmul (CPU, bf16, supported CPU)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available()
+            and bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
             and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
@@ -70,7 +70,8 @@ def _pack_token(packed: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("minisgl::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, token: torch.Tensor, out_features: int) -> torch.Tensor:
     """``x @ W^T`` with W the oneDNN-packed weight attached to ``token`` (opaque to Inductor)."""
-    return _onednn_linear(x, token.onednn_weight)
+    packed: torch.Tensor = getattr(token, "onednn_weight")  # noqa: B009 - set dynamically
+    return _onednn_linear(x, packed)
 
 
 @packed_linear.register_fake
@@ -108,7 +109,7 @@ class QuantizableLinear(nn.Module):
             flat = x.reshape(-1, x.shape[-1])
             n = self.packed.shape[0]
             if torch.compiler.is_compiling():
-                y = packed_linear(flat, self.pack_token, n)
+                y: torch.Tensor = packed_linear(flat, self.pack_token, n)
             else:
                 y = _onednn_linear(flat, self.packed)
             return y.reshape(*x.shape[:-1], n)

@@ -1,0 +1,143 @@
+"""The compiled decode step (``compile=...``) and oneDNN-prepacked weights, against eager/F.linear.
+
+The whole suite also runs with ``MINISGL_COMPILE=wait`` (nox ``tests-compiled`` sessions): then
+every HF-reference test checks compiled decode steps too. Here: bucket routing, compiled logits
+equal to eager ones step by step, eager fallback where compilation fails, the background mode
+(worker process + cache) and prepacking.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl.core import LLM
+from minisgl.core.compile import buckets_for, resolve_mode
+from minisgl.core.layers.quant import QuantizableLinear, can_prepack
+
+from .conftest import VOCAB
+from .reference import greedy, make_prompts, record_logits
+
+CPU = torch.device("cpu")
+
+
+def test_buckets_cover_every_batch_size_once() -> None:
+    assert buckets_for(1) == [(1, 1)]
+    assert buckets_for(8) == [(1, 1), (2, 8)]
+    assert buckets_for(64) == [(1, 1), (2, 32), (33, 64)]
+    for n in (1, 2, 31, 32, 33, 100):
+        covered = [b for b in range(1, n + 1) for lo, hi in buckets_for(n) if lo <= b <= hi]
+        assert covered == list(range(1, n + 1))
+
+
+def test_modes() -> None:
+    assert resolve_mode("auto", CPU, 1) == "on"
+    assert resolve_mode("auto", torch.device("cuda"), 1) == "off"
+    assert resolve_mode("wait", CPU, 2) == "off"  # TP ranks run eager (warned)
+    assert resolve_mode("off", CPU, 1) == "off"
+    with pytest.raises(ValueError, match="compile"):
+        LLM("smollm2", compile="sometimes")
+
+
+def test_compiled_decode_matches_eager_every_step(tiny_dirs: dict) -> None:
+    """Batches of 1 and of 3 (two buckets), contexts crossing the 64-key padding step: each
+    decode step's logits from the graphs equal the eager ones."""
+    path = tiny_dirs["llama-gqa-untied-llama3"]
+    prompts = make_prompts([5, 61, 30], VOCAB, seed=3)
+    results = {}
+    for mode in ("off", "wait"):
+        llm = LLM(str(path), dtype="float32", compile=mode, max_running_requests=8,
+                  num_pages=64, page_size=4)
+        if mode == "wait":
+            graphs = llm.engine.decode_graphs
+            assert graphs is not None and graphs.ready == {(1, 1), (2, 8)}, graphs.describe()
+        with record_logits(llm.engine) as rec:
+            single = llm.generate(prompts[:1], greedy(12))[0].token_ids
+            batch = [o.token_ids for o in llm.generate(prompts, greedy(70))]
+        results[mode] = (single, batch, rec)
+        llm.close()
+    (s0, b0, rec0), (s1, b1, rec1) = results["off"], results["wait"]
+    assert s0 == s1 and b0 == b1
+    assert len(rec0) == len(rec1) > 70
+    for (ids0, l0), (ids1, l1) in zip(rec0, rec1):
+        assert ids0 == ids1
+        torch.testing.assert_close(l1, l0, atol=2e-5, rtol=1e-5)
+
+
+def test_failed_compilation_runs_eager(tiny_dirs: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiler that fails (here: a backend that raises) leaves every bucket eager, with the
+    reason recorded, and the answers are the eager ones."""
+    from minisgl.core import compile as compile_mod
+
+    def failing_backend(gm, example_inputs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no graph today")
+
+    real_compile = torch.compile
+    monkeypatch.setattr(compile_mod.torch, "compile",
+                        lambda fn, **kw: real_compile(fn, backend=failing_backend))
+    path = tiny_dirs["llama-gqa-untied-llama3"]
+    prompts = make_prompts([7, 20], VOCAB, seed=4)
+    llm = LLM(str(path), dtype="float32", compile="wait", max_running_requests=4)
+    graphs = llm.engine.decode_graphs
+    assert graphs is not None and not graphs.ready
+    assert set(graphs.failed) == {(1, 1), (2, 4)}
+    assert "no graph today" in graphs.failed[(1, 1)]
+    got = [o.token_ids for o in llm.generate(prompts, greedy(10))]
+    llm.close()
+    monkeypatch.undo()
+    eager = LLM(str(path), dtype="float32", compile="off", max_running_requests=4)
+    assert got == [o.token_ids for o in eager.generate(prompts, greedy(10))]
+
+
+def test_background_compile_serves_eager_then_compiled(tiny_dirs: dict,
+                                                       tmp_path, monkeypatch) -> None:
+    """compile='on': requests are answered while the worker compiles (eager), the graph then
+    loads from the on-disk cache the worker filled, and answers stay the same."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    path = tiny_dirs["qwen3-tied"]
+    prompts = make_prompts([9], VOCAB, seed=5)
+    llm = LLM(str(path), dtype="float32", compile="on", max_running_requests=1)
+    graphs = llm.engine.decode_graphs
+    assert graphs is not None
+    before = llm.generate(prompts, greedy(16))[0].token_ids  # most likely still eager
+    graphs.join(timeout=600)
+    assert graphs.ready == {(1, 1)}, graphs.describe()
+    assert any((tmp_path / "inductor").iterdir())
+    assert llm.generate(prompts, greedy(16))[0].token_ids == before
+    llm.close()
+
+
+def test_prepacked_linear_equals_f_linear() -> None:
+    if not can_prepack(torch.empty(1, dtype=torch.bfloat16)):
+        pytest.skip("oneDNN has no bf16 support on this CPU")
+    g = torch.Generator().manual_seed(0)
+    layer = QuantizableLinear()
+    layer.weight = torch.nn.Parameter(torch.randn(96, 80, generator=g).bfloat16(),
+                                      requires_grad=False)
+    ref_w = layer.weight.detach().clone()
+    layer.prepack()
+    assert layer.weight.numel() == 0 and layer.packed is not None
+    for rows in (1, 7, 300):
+        x = torch.randn(rows, 80, generator=g).bfloat16()
+        want = x.double() @ ref_w.double().T
+        got = layer.matmul(x)
+        # bf16 output rounding is the only difference to float64 (float32 accumulation)
+        torch.testing.assert_close(got.double(), want, atol=0.05, rtol=2 ** -7)
+        torch.testing.assert_close(got, F.linear(x, ref_w), atol=0.0625, rtol=2 ** -7)
+
+
+@pytest.mark.slow
+def test_bf16_engine_prepacks_every_linear(smollm2_path: str) -> None:
+    if not can_prepack(torch.empty(1, dtype=torch.bfloat16)):
+        pytest.skip("oneDNN has no bf16 support on this CPU")
+    llm = LLM(smollm2_path, compile="off")
+    model = llm.engine.model
+    linears = [m for m in model.modules() if isinstance(m, QuantizableLinear)]
+    assert linears and all(m.packed is not None for m in linears)
+    # the tied LM head keeps the embedding's float weight, the others drop theirs
+    assert model.model.embed_tokens.weight.numel() > 0
+    assert sum(m.weight.numel() == 0 for m in linears) == len(linears) - 1
+    text = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    greedy(12))[0].text
+    assert "Paris" in text
