@@ -101,7 +101,9 @@ class QuantizableLinear(nn.Module):
 
     def quantize_int8(self, keep_float: bool = False) -> None:
         q, s = quantize_rows(self.weight)
-        self.qweight, self.qscale = q, s  # plain attributes: not in the state dict
+        # plain attributes (not in the state dict); scales in the activations' dtype, as both
+        # matmul paths use them (and a conversion inside a compiled graph would not lower)
+        self.qweight, self.qscale = q, s.to(self.weight.dtype)
         self._drop_float(keep_float)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
