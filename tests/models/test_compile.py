@@ -97,6 +97,9 @@ def test_background_compile_serves_eager_then_compiled(tiny_dirs: dict,
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     path = tiny_dirs["qwen3-tied"]
     prompts = make_prompts([9], VOCAB, seed=5)
+    from torch._dynamo.utils import counters
+
+    hits = counters["inductor"]["fxgraph_cache_hit"]
     llm = LLM(str(path), dtype="float32", compile="on", max_running_requests=1)
     graphs = llm.engine.decode_graphs
     assert graphs is not None
@@ -104,6 +107,8 @@ def test_background_compile_serves_eager_then_compiled(tiny_dirs: dict,
     graphs.join(timeout=600)
     assert graphs.ready == {(1, 1)}, graphs.describe()
     assert any((tmp_path / "inductor").iterdir())
+    # this process loaded the worker's graph instead of compiling it again
+    assert counters["inductor"]["fxgraph_cache_hit"] > hits
     assert llm.generate(prompts, greedy(16))[0].token_ids == before
     llm.close()
 
