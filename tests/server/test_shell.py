@@ -20,9 +20,13 @@ class Shell:
 
     def __init__(self, url: str, *args: str) -> None:
         cmd = [sys.executable, "-m", "minisgl.server.cli", "shell", "--url", url, *args]
+        # SIGINT back to its default: a test run started in the background by a shell without
+        # job control inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, env=dict(os.environ,
-                                                                        PYTHONUNBUFFERED="1"))
+                                                                        PYTHONUNBUFFERED="1"),
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                      signal.SIG_DFL))
         self.out = ""
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
