@@ -10,12 +10,12 @@ Why it pays on CPU: a single-token step is ~1,000 small ops (norms, RoPE, residu
 casts) around the weight matmuls; Inductor fuses them into a few C++ loops. The matmuls
 themselves stay library calls (oneDNN prepacked bf16 through a custom op, int8, or aten).
 
-Compiling costs ~30 s per bucket for SmolLM2 on 2 cores, and most of it is Python holding the
+Compiling costs 35-60 s per bucket for SmolLM2 on 2 cores, and most of it is Python holding the
 GIL: on a thread of the serving process it would stall every eager step. So:
 
 * ``on``: a worker process (``python -m minisgl.core.compile``, the same engine config with a
   tiny KV pool, nice 10, killed with its parent) compiles every bucket into Inductor's on-disk
-  cache; then a background thread of the engine loads them from there (~5 s per bucket). Steps
+  cache; then a background thread of the engine loads them from there (~7 s per bucket). Steps
   run eager until their bucket is ready, and stay eager where compilation failed (logged);
 * ``wait``: compile every bucket in-process before the engine serves (benchmarks, tests);
 * ``off``: never compile. ``auto`` = ``on`` for one CPU rank, ``off`` otherwise (tensor
