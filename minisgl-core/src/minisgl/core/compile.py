@@ -147,7 +147,6 @@ class DecodeGraphs:
                 torch._dynamo.mark_dynamic(t, d, min=lo, max=hi)
 
     def _call(self, args: tuple[Any, ...], bucket: tuple[int, int]) -> torch.Tensor:
-        self._mark(args, bucket)
         with torch.inference_mode():
             out: torch.Tensor = self._compiled[bucket](*args)
         return out
@@ -155,8 +154,10 @@ class DecodeGraphs:
     def compile_bucket(self, bucket: tuple[int, int]) -> None:
         start = time.perf_counter()
         try:
-            self._call(self._dummy(max(bucket[0], 2) if bucket[1] > 1 else 1, DUMMY_KV_LEN),
-                       bucket)
+            # the marks matter while tracing only: later steps are checked by the shape guards
+            args = self._dummy(max(bucket[0], 2) if bucket[1] > 1 else 1, DUMMY_KV_LEN)
+            self._mark(args, bucket)
+            self._call(args, bucket)
         except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager
             self.failed[bucket] = f"{type(e).__name__}: {e}"
             log.warning("decode graph for batch %s-%s failed to compile; it runs eager: %s",

@@ -11,6 +11,7 @@ from typing import Any
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine options as flags; names match LLM(...) keyword arguments."""
+    from minisgl.core.compile import COMPILE_MODES
     from minisgl.core.config import EngineConfig
 
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -39,7 +40,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes)")
     p.add_argument("--dist-timeout", type=float, default=defaults["dist_timeout"],
                    help="seconds a TP collective may wait before the deployment fails")
-    p.add_argument("--compile", default=None, choices=["auto", "on", "off", "wait"],
+    p.add_argument("--compile", default=None, choices=COMPILE_MODES,
                    help="torch.compile of the decode step: on = in the background, eager until "
                         "ready; wait = before serving; auto (default, $MINISGL_COMPILE "
                         "overrides) = on for one CPU rank, else off")
