@@ -1,0 +1,114 @@
+"""CPU attention kernel in C++ (csrc/cpu_attention.cpp), built on first use.
+
+One op, ``paged_attention``: prefill, extend and decode over the paged KV pool, read in place,
+for bf16 on CPUs with AVX512-BF16 (vdpbf16ps; Intel since Cooper Lake, AMD since Zen 4).
+
+The source is compiled with the machine's compiler (``-O3 -march=native``) through
+``torch.utils.cpp_extension`` into ``~/.cache/minisgl/ext/<key>``, the key covering the source,
+torch's version and the CPU's instruction-set flags, so a later start loads the built library in
+well under a second. Building needs a C++ compiler and ninja (a dependency of this package);
+when either is missing or the build
+fails, ``load()`` returns False with the reason in ``load_error`` and the backends keep their
+pure-PyTorch path. ``MINISGL_CPU_KERNELS=off`` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sysconfig
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"]
+load_error: str | None = None
+_state: bool | None = None
+_lock = threading.Lock()
+
+
+def _cache_dir() -> Path:
+    flags = ""
+    if platform.system() == "Linux":
+        try:
+            line = next(x for x in open("/proc/cpuinfo") if x.startswith("flags"))
+            flags = " ".join(sorted(line.split(":", 1)[1].split()))
+        except (OSError, StopIteration):
+            pass
+    key = hashlib.sha256("\n".join(
+        [SOURCE.read_text(), torch.__version__, platform.machine(), flags, *CFLAGS]).encode())
+    root = Path(os.environ.get("MINISGL_EXT_DIR", Path.home() / ".cache" / "minisgl" / "ext"))
+    return root / key.hexdigest()[:16]
+
+
+def enabled() -> bool:
+    return os.environ.get("MINISGL_CPU_KERNELS", "on").lower() not in ("0", "off", "false", "no")
+
+
+def load() -> bool:
+    """Build (first time) and load the kernels; True when ``torch.ops.minisgl_cpu`` is usable."""
+    global _state, load_error
+    with _lock:
+        if _state is None:
+            _state = _load()
+        return _state
+
+
+def _load() -> bool:
+    global load_error
+    if not enabled():
+        load_error = "MINISGL_CPU_KERNELS=off"
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        scripts = sysconfig.get_path("scripts")  # pip's ninja, in a venv that is not activated
+        if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), scripts])
+        build_dir = _cache_dir()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name="minisgl_cpu_attention", sources=[str(SOURCE)],
+                           extra_cflags=CFLAGS, build_directory=str(build_dir),
+                           is_python_module=False, verbose=False)
+        if not torch.ops.minisgl_cpu.available():
+            raise RuntimeError("this CPU or compiler has no AVX512-BF16")
+    except Exception as e:  # no compiler, no ninja, a compile error: keep the PyTorch path
+        text = f"{type(e).__name__}: {e}"
+        errors = [x.strip() for x in text.splitlines() if "error" in x.lower()]
+        load_error = (errors[1] if len(errors) > 1 else text.splitlines()[0])[:300]
+        log.warning("CPU attention kernels unavailable (%s); using the PyTorch path", load_error)
+        return False
+    _register_fake()
+    return True
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("minisgl_cpu::paged_attention")
+    def _(q, k, v, slots, kv_lens, q_start, q_lens, scale):  # type: ignore[no-untyped-def]
+        return q.new_empty(q.shape)
+
+
+def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether ``paged_attention`` takes this shape (and the kernels are built and loadable)."""
+    return (dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
+            and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 8 and load())
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                    kv_lens: torch.Tensor, q_start: torch.Tensor, q_lens: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of a batch's new tokens over their requests' pool slots, in place.
+
+    q [T, H, D] bf16 (request b's queries are rows q_start[b] .. + q_lens[b], the last q_lens[b]
+    of its kv_lens[b] positions); k, v [KVH, S, D] bf16, the pool with the new K/V already
+    written; slots [B, Lk] int64 (row b's first kv_lens[b] entries are its slots in position
+    order). Returns [T, H, D]."""
+    out: torch.Tensor = torch.ops.minisgl_cpu.paged_attention(q, k, v, slots, kv_lens, q_start,
+                                                              q_lens, scale)
+    return out

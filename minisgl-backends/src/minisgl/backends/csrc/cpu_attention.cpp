@@ -1,0 +1,361 @@
+// Paged attention for CPUs with AVX512-BF16 (prefill, extend and decode in one kernel).
+// Built on first use by minisgl/backends/cpu_kernels.py; see there for when it is used.
+//
+// Inputs: q [T, H, D] bf16 (the batch's new tokens, request after request); the KV pool k, v
+// [KVH, S, D] bf16 (minisgl.core.kvcache.KVPool, already holding the new tokens' K/V), read in
+// place; slots [B, Lk] int64 (row b: request b's pool slots in position order); kv_lens [B];
+// q_start, q_lens [B] (request b's queries are rows q_start[b] ... of q, the last q_lens[b]
+// positions of its kv_lens[b]). Causal: query i of b sees keys 0 .. kv_lens[b] - q_lens[b] + i.
+//
+// Work items are (request, kv head, block of up to 16 queries, key split); a query block's rows
+// are its queries x the G query heads that share the kv head. Per item, keys go by in blocks of
+// 16: the block's K is transposed into bf16 pairs so that one vdpbf16ps per pair of dims gives
+// a row's 16 scores (no horizontal sums), the softmax is online (running max and sum per row,
+// float32), and P (rounded to bf16) times V uses vdpbf16ps over pairs of keys. Decode batches
+// with fewer items than threads split each request's keys (split-K) and merge the parts.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define MINISGL_FAST 1
+#include <immintrin.h>
+#else
+#define MINISGL_FAST 0
+#endif
+
+namespace {
+
+#if MINISGL_FAST
+
+constexpr int KB = 16;    // keys per block
+constexpr int QB = 16;    // queries per work item
+constexpr int MAXD = 256;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// exp(x) for x <= 0: 2^(x log2 e) = 2^n * 2^f, |f| <= 0.5, degree-6 polynomial (rel. err ~1e-7).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 x 16 transpose of 32-bit words, in place.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // r[4a + b] now holds, in each 128-bit lane L, words b of rows 4a..4a+3 from column block L.
+  for (int i = 0; i < 4; ++i) {  // gather the four 128-bit lanes of rows 0-3, 4-7, ... per column
+    __m512i a0 = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);       // lanes 0,2 of each
+    __m512i a1 = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xdd);       // lanes 1,3
+    __m512i b0 = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
+    __m512i b1 = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xdd);
+    t[i] = _mm512_shuffle_i32x4(a0, b0, 0x88);       // column i      (lane 0 of each)
+    t[8 + i] = _mm512_shuffle_i32x4(a0, b0, 0xdd);   // column 8 + i  (lane 2)
+    t[4 + i] = _mm512_shuffle_i32x4(a1, b1, 0x88);   // column 4 + i  (lane 1)
+    t[12 + i] = _mm512_shuffle_i32x4(a1, b1, 0xdd);  // column 12 + i (lane 3)
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+struct Item {
+  int64_t b, h, q0, nq, k0, k1;  // request, kv head, first query, queries, key range
+  int64_t part;                   // index into the split-K buffer, -1: write the output directly
+};
+
+// Scores of NR rows against one key block: out[r] lane j = q_r . k_j (float32).
+template <int NR>
+inline void qk_rows(const int32_t* const* q, const __m512i* kt, int64_t P, __m512* out) {
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    __m512bh k = (__m512bh)kt[p];
+    for (int r = 0; r < NR; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(q[r][p]), k);
+  }
+  for (int r = 0; r < NR; ++r) out[r] = acc[r];
+}
+
+inline void qk_dispatch(int nr, const int32_t* const* q, const __m512i* kt, int64_t P, __m512* out) {
+  switch (nr) {
+#define MINISGL_CASE(n) \
+  case n:               \
+    return qk_rows<n>(q, kt, P, out);
+    MINISGL_CASE(1) MINISGL_CASE(2) MINISGL_CASE(3) MINISGL_CASE(4) MINISGL_CASE(5)
+    MINISGL_CASE(6) MINISGL_CASE(7) MINISGL_CASE(8) MINISGL_CASE(9) MINISGL_CASE(10)
+    MINISGL_CASE(11) MINISGL_CASE(12) MINISGL_CASE(13) MINISGL_CASE(14) MINISGL_CASE(15)
+    MINISGL_CASE(16)
+#undef MINISGL_CASE
+  }
+}
+
+// One work item. O is float32 [R, D] in the "pair" order of the PV product: within each 32 dims,
+// the first 16 floats are dims {8l + i : l < 4, i < 4} and the next 16 dims {8l + 4 + i}.
+void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
+              const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
+              int64_t qrow0, int64_t H, int64_t S, int64_t G, int64_t D, float scale, float* O,
+              float* m, float* l) {
+  const int64_t R = it.nq * G, P = D / 2, Z = D / 16;
+  alignas(64) static thread_local __m512i kt[MAXD / 2];
+  alignas(64) static thread_local __m512i vp[KB / 2 * MAXD / 16];
+  alignas(64) static thread_local uint16_t pb[QB * 8][KB];  // P of each row, bf16
+  static thread_local std::vector<const int32_t*> qrow;
+  static thread_local std::vector<int64_t> lim;
+  qrow.resize(R);
+  lim.resize(R);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = it.q0 + r / G, g = r % G;
+    qrow[r] = reinterpret_cast<const int32_t*>(q + ((qrow0 + i) * H + it.h * G + g) * D);
+    lim[r] = std::min(it.k1, prefix + i + 1);  // keys [k0, lim) are visible to row r
+    m[r] = NEG_INF;
+    l[r] = 0.f;
+  }
+  std::fill(O, O + R * D, 0.f);
+  const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * D;
+  const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * D;
+  const int64_t* srow = slots + it.b * Lk;
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t kb = it.k0; kb < it.k1; kb += KB) {
+    const int nk = static_cast<int>(std::min<int64_t>(KB, it.k1 - kb));
+    const uint16_t* krow[KB];
+    const uint16_t* vrow[KB];
+    for (int j = 0; j < KB; ++j) {
+      krow[j] = j < nk ? kh + srow[kb + j] * D : nullptr;
+      vrow[j] = j < nk ? vh + srow[kb + j] * D : nullptr;
+    }
+    // Pages are scattered in the pool: ask for the next block's rows ahead of use.
+    for (int64_t j = kb + KB; j < std::min(kb + 2 * KB, it.k1); ++j)
+      for (int64_t off = 0; off < D; off += 32) {
+        __builtin_prefetch(kh + srow[j] * D + off, 0, 3);
+        __builtin_prefetch(vh + srow[j] * D + off, 0, 3);
+      }
+    // K block transposed: kt[p] lane j = dims (2p, 2p+1) of key j.
+    for (int64_t c = 0; c < D / 32; ++c) {
+      __m512i* t = kt + c * 16;
+      for (int j = 0; j < KB; ++j) t[j] = krow[j] ? _mm512_loadu_si512(krow[j] + c * 32) : zero;
+      transpose16(t);
+    }
+    // V block in key pairs: vp[jp * Z + z] holds (v_2jp, v_2jp+1) interleaved for 16 dims.
+    for (int jp = 0; jp < KB / 2; ++jp) {
+      for (int64_t c = 0; c < D / 32; ++c) {
+        __m512i a = vrow[2 * jp] ? _mm512_loadu_si512(vrow[2 * jp] + c * 32) : zero;
+        __m512i b = vrow[2 * jp + 1] ? _mm512_loadu_si512(vrow[2 * jp + 1] + c * 32) : zero;
+        vp[jp * Z + 2 * c] = _mm512_unpacklo_epi16(a, b);
+        vp[jp * Z + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+      }
+    }
+    // Scores and online softmax, 16 rows at a time.
+    for (int64_t r0 = 0; r0 < R; r0 += 16) {
+      const int nr = static_cast<int>(std::min<int64_t>(16, R - r0));
+      __m512 s[16];
+      qk_dispatch(nr, qrow.data() + r0, kt, P, s);
+      for (int rr = 0; rr < nr; ++rr) {
+        const int64_t r = r0 + rr;
+        const int64_t visible = std::clamp<int64_t>(lim[r] - kb, 0, nk);
+        if (visible == 0) {
+          std::memset(pb[r], 0, sizeof(pb[r]));
+          continue;
+        }
+        const __mmask16 mask = static_cast<__mmask16>((1u << visible) - 1);
+        __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_INF), mask,
+                                      _mm512_mul_ps(s[rr], _mm512_set1_ps(scale)));
+        const float mx = std::max(m[r], _mm512_reduce_max_ps(x));
+        __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(x, _mm512_set1_ps(mx))));
+        const float corr = m[r] == mx         ? 1.f
+                           : m[r] == NEG_INF ? 0.f
+                                             : _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[r] - mx)));
+        l[r] = l[r] * corr + _mm512_reduce_add_ps(p);
+        m[r] = mx;
+        if (corr != 1.f) {
+          float* o = O + r * D;
+          for (int64_t z = 0; z < Z; ++z)
+            _mm512_storeu_ps(o + z * 16, _mm512_mul_ps(_mm512_loadu_ps(o + z * 16), _mm512_set1_ps(corr)));
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(p));
+      }
+    }
+    // O += P V, one 16-dim slice at a time with its 8 key-pair vectors in registers.
+    for (int64_t z = 0; z < Z; ++z) {
+      __m512bh w[KB / 2];
+      for (int jp = 0; jp < KB / 2; ++jp) w[jp] = (__m512bh)vp[jp * Z + z];
+      for (int64_t r = 0; r < R; ++r) {
+        const int32_t* pr = reinterpret_cast<const int32_t*>(pb[r]);
+        __m512 o = _mm512_loadu_ps(O + r * D + z * 16);
+        for (int jp = 0; jp < KB / 2; ++jp)
+          o = _mm512_dpbf16_ps(o, (__m512bh)_mm512_set1_epi32(pr[jp]), w[jp]);
+        _mm512_storeu_ps(O + r * D + z * 16, o);
+      }
+    }
+  }
+}
+
+// Dims of the pair order back to the natural order, scaled by inv, as bf16.
+inline void write_row(const float* o, float inv, int64_t D, c10::BFloat16* out) {
+  for (int64_t c = 0; c < D / 32; ++c) {
+    const float* lo = o + c * 32;
+    const float* hi = lo + 16;
+    c10::BFloat16* dst = out + c * 32;
+    for (int ln = 0; ln < 4; ++ln)
+      for (int i = 0; i < 4; ++i) {
+        dst[8 * ln + i] = static_cast<c10::BFloat16>(lo[4 * ln + i] * inv);
+        dst[8 * ln + 4 + i] = static_cast<c10::BFloat16>(hi[4 * ln + i] * inv);
+      }
+  }
+}
+
+#endif  // MINISGL_FAST
+
+bool available() { return MINISGL_FAST; }
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& slots, const at::Tensor& kv_lens,
+                           const at::Tensor& q_start, const at::Tensor& q_lens, double scale) {
+  TORCH_CHECK(MINISGL_FAST, "minisgl_cpu: built without AVX512-BF16");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q: [T, H, D]; k, v: [KVH, S, D]");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16, "q, k, v must be bfloat16");
+  TORCH_CHECK(q.size(2) == k.size(2) && k.sizes() == v.sizes(), "head_dim / pool shapes differ");
+  TORCH_CHECK(q.size(2) % 32 == 0 && q.size(2) <= 256, "head_dim must be a multiple of 32, <= 256");
+  TORCH_CHECK(q.size(1) % k.size(0) == 0 && q.size(1) / k.size(0) <= 8,
+              "query heads must be 1-8 times the kv heads");
+  for (const at::Tensor* t : {&slots, &kv_lens, &q_start, &q_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "index tensors: contiguous int64");
+  const int64_t B = slots.size(0);
+  TORCH_CHECK(slots.dim() == 2 && kv_lens.numel() == B && q_start.numel() == B && q_lens.numel() == B,
+              "slots: [B, Lk]; kv_lens, q_start, q_lens: [B]");
+  auto out = at::empty(q.sizes(), q.options());
+#if MINISGL_FAST
+  const int64_t H = q.size(1), D = q.size(2), KVH = k.size(0), S = k.size(1), G = H / KVH;
+  const int64_t Lk = slots.size(1);
+  const int64_t* kl = kv_lens.data_ptr<int64_t>();
+  const int64_t* qs = q_start.data_ptr<int64_t>();
+  const int64_t* ql = q_lens.data_ptr<int64_t>();
+  int64_t max_q = 0, max_kv = 0, work = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ql[b] >= 1 && ql[b] <= kl[b] && kl[b] <= Lk && qs[b] >= 0 && qs[b] + ql[b] <= q.size(0),
+                "request ", b, ": bad lengths");
+    max_q = std::max(max_q, ql[b]);
+    max_kv = std::max(max_kv, kl[b]);
+    work += (ql[b] + QB - 1) / QB * KVH;
+  }
+  // Few items (small decode batches): split each request's keys so every thread has work.
+  const int64_t threads = at::get_num_threads();
+  int64_t splits = 1;
+  if (max_q == 1 && work < 4 * threads)
+    splits = std::clamp<int64_t>((4 * threads + work - 1) / work, 1, std::max<int64_t>(1, max_kv / 64));
+  std::vector<Item> items;
+  int64_t parts = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t prefix = kl[b] - ql[b];
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t q0 = 0; q0 < ql[b]; q0 += QB) {
+        const int64_t nq = std::min<int64_t>(QB, ql[b] - q0);
+        const int64_t end = prefix + q0 + nq;  // keys the block's last query sees
+        if (splits == 1) {
+          items.push_back({b, h, q0, nq, 0, end, -1});
+          continue;
+        }
+        const int64_t chunk = ((end + splits - 1) / splits + KB - 1) / KB * KB;
+        for (int64_t k0 = 0; k0 < end; k0 += chunk)
+          items.push_back({b, h, q0, nq, k0, std::min(end, k0 + chunk), parts++});
+      }
+  }
+  // Longest first, handed out one at a time: causal blocks differ in cost.
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.k1 - a.k0 > b.k1 - b.k0; });
+  const int64_t stride = G * (D + 2);  // a part: m[G], l[G], O[G, D] (decode: one query)
+  std::vector<float> part(parts * stride);
+  const auto* qp = q.data_ptr<c10::BFloat16>();
+  const auto* kp = k.data_ptr<c10::BFloat16>();
+  const auto* vp = v.data_ptr<c10::BFloat16>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const float fscale = static_cast<float>(scale);
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> O(QB * G * D), m(QB * G), l(QB * G);
+    for (int64_t i; (i = next.fetch_add(1)) < n_items;) {
+      const Item& it = items[i];
+      const int64_t prefix = kl[it.b] - ql[it.b];
+      float* Ob = O.data();
+      float* mb = m.data();
+      float* lb = l.data();
+      if (it.part >= 0) {
+        mb = part.data() + it.part * stride;
+        lb = mb + G;
+        Ob = lb + G;
+      }
+      run_item(it, qp, kp, vp, sp, Lk, prefix, qs[it.b], H, S, G, D, fscale, Ob, mb, lb);
+      if (it.part >= 0) continue;
+      for (int64_t r = 0; r < it.nq * G; ++r) {
+        const int64_t row = qs[it.b] + it.q0 + r / G, head = it.h * G + r % G;
+        write_row(Ob + r * D, lb[r] > 0.f ? 1.f / lb[r] : 0.f, D, op + (row * H + head) * D);
+      }
+    }
+  });
+  if (parts > 0) {  // merge the split-K parts of each (request, kv head); decode only
+    std::vector<std::vector<int64_t>> of(B * KVH);
+    for (const Item& it : items) of[it.b * KVH + it.h].push_back(it.part);
+    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> res(D);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / KVH, h = bh % KVH;
+        for (int64_t g = 0; g < G; ++g) {
+          float mx = NEG_INF, sum = 0.f;
+          for (int64_t pi : of[bh]) mx = std::max(mx, part[pi * stride + g]);
+          std::fill(res.begin(), res.end(), 0.f);
+          for (int64_t pi : of[bh]) {
+            const float* pm = part.data() + pi * stride;
+            if (pm[g] == NEG_INF) continue;
+            const float w = std::exp(pm[g] - mx);
+            sum += w * pm[G + g];
+            for (int64_t d = 0; d < D; ++d) res[d] += w * pm[2 * G + g * D + d];
+          }
+          write_row(res.data(), sum > 0.f ? 1.f / sum : 0.f, D, op + (qs[b] * H + h * G + g) * D);
+        }
+      }
+    });
+  }
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(minisgl_cpu, m) {
+  m.def("available() -> bool", &available);
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor kv_lens, "
+        "Tensor q_start, Tensor q_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(minisgl_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,0 +1,133 @@
+"""The C++ CPU attention kernel (minisgl.backends.cpu_kernels) against a float64 reference.
+
+Directly (prefill, extend, decode, split-K, GQA ratios, head dims, keys in scattered slots) and
+through the torch backend on a paged pool (run_case), where the backend must pick the kernel; the
+PyTorch path it falls back to is the one test_attention_conformance checks in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from minisgl.backends import cpu_kernels
+from minisgl.core.testing.attention import run_case
+
+
+def _has_avx512_bf16() -> bool:
+    try:
+        return "avx512_bf16" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.enabled() or not _has_avx512_bf16(),
+    reason="MINISGL_CPU_KERNELS=off or no AVX512-BF16 on this CPU")
+
+
+def test_kernel_builds_and_loads() -> None:
+    """On a CPU with AVX512-BF16 and a compiler (this project's CI) the kernel must be there."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    assert torch.ops.minisgl_cpu.available()
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              kv_lens: list[int], q_lens: list[int], scale: float) -> torch.Tensor:
+    """float64, one query and one head at a time: query i of request b sees its first
+    kv_len - q_len + i + 1 keys."""
+    heads, group = q.shape[1], q.shape[1] // k.shape[0]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    row = 0
+    for b, (kv_len, n) in enumerate(zip(kv_lens, q_lens)):
+        s = slots[b, :kv_len]
+        kk, vv = k[:, s].double(), v[:, s].double()
+        for i in range(n):
+            seen = kv_len - n + i + 1
+            for h in range(heads):
+                scores = kk[h // group, :seen] @ q[row + i, h].double() * scale
+                out[row + i, h] = scores.softmax(0) @ vv[h // group, :seen]
+        row += n
+    return out
+
+
+CASES = {
+    "decode-1": [(1, 1)],
+    "decode-long": [(1, 700)],  # split over threads (split-K) and merged
+    "decode-batch": [(1, 17), (1, 5), (1, 77), (1, 16), (1, 32), (1, 33)],
+    "prefill": [(5, 5), (40, 40), (17, 17)],
+    "extend": [(64, 300), (3, 70), (1, 33)],  # queries after a cached prefix
+    "mixed": [(33, 100), (1, 64), (16, 16)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"),
+                         [(3, 3, 64), (2, 2, 128), (1, 8, 32), (4, 1, 64), (2, 4, 256)])
+def test_matches_float64(case: str, kv_heads: int, group: int, head_dim: int) -> None:
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    gen = torch.Generator().manual_seed(0)
+    lens = CASES[case]
+    q_lens, kv_lens = [a for a, _ in lens], [b for _, b in lens]
+    pool = 4096
+    k = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
+    v = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
+    q = (2 * torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen)).bfloat16()
+    lk = max(kv_lens) + 5  # entries past a request's kv_len must never be read
+    slots = torch.stack([torch.randperm(pool - 1, generator=gen)[:lk] + 1 for _ in lens])
+    ql = torch.tensor(q_lens)
+    scale = 1 / math.sqrt(head_dim)
+    out = cpu_kernels.paged_attention(q, k, v, slots, torch.tensor(kv_lens),
+                                      torch.cumsum(ql, 0) - ql, ql, scale)
+    ref = reference(q, k, v, slots, kv_lens, q_lens, scale)
+    # bf16 output rounding alone is up to ~4e-3 for these magnitudes; P goes through bf16 too
+    assert (out.double() - ref).abs().max().item() < 2e-2
+    # and as close as PyTorch's own bf16 attention is for the same inputs (one request)
+    n, kv_len = q_lens[0], kv_lens[0]
+    kk, vv = k[:, slots[0, :kv_len]], v[:, slots[0, :kv_len]]
+    mask = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - n, kv_len)[:, None]
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q[:n].transpose(0, 1)[None], kk[None], vv[None], attn_mask=mask, scale=scale,
+        enable_gqa=True)[0].transpose(0, 1)
+    err_sdpa = (sdpa.double() - ref[:n]).abs().max().item()
+    assert (out[:n].double() - ref[:n]).abs().max().item() <= 2 * err_sdpa + 2e-3
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("phase", "prefix_lens", "new_lens"), [
+    ("prefill", [0, 0, 0], [1, 17, 40]),
+    ("prefill", [16, 3, 70, 0], [5, 30, 1, 9]),
+    ("decode", [0, 1, 15, 16, 100, 63], [1] * 6),
+])
+def test_backend_uses_kernel_on_paged_pool(monkeypatch: pytest.MonkeyPatch, page_size: int,
+                                           phase: str, prefix_lens: list[int],
+                                           new_lens: list[int]) -> None:
+    calls = []
+    real = cpu_kernels.paged_attention
+
+    def counting(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_kernels, "paged_attention", counting)
+    run_case("torch", page_size=page_size, num_heads=9, num_kv_heads=3, head_dim=64,
+             prefix_lens=prefix_lens, new_lens=new_lens, phase=phase, dtype=torch.bfloat16,
+             atol=2e-2)
+    assert calls, "the torch backend did not use the CPU kernel for a bf16 pool"
+
+
+def test_bad_inputs_are_refused() -> None:
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    q = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    k = v = torch.zeros(2, 64, 64, dtype=torch.bfloat16)
+    slots = torch.zeros(2, 8, dtype=torch.int64)
+    one, lens = torch.ones(2, dtype=torch.int64), torch.full((2,), 4)
+    starts = torch.arange(2)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_kernels.paged_attention(q.float(), k.float(), v.float(), slots, lens, starts, one, 1.0)
+    with pytest.raises(RuntimeError, match="bad lengths"):
+        cpu_kernels.paged_attention(q, k, v, slots, torch.full((2,), 9), starts, one, 1.0)
+    with pytest.raises(RuntimeError, match="int64"):
+        cpu_kernels.paged_attention(q, k, v, slots.int(), lens, starts, one, 1.0)
