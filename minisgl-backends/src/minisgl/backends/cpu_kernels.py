@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import sysconfig
+import tempfile
 import threading
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
+NAME = "minisgl_cpu_attention"
 SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"]
 load_error: str | None = None
@@ -66,16 +68,11 @@ def _load() -> bool:
         load_error = "MINISGL_CPU_KERNELS=off"
         return False
     try:
-        from torch.utils import cpp_extension
-
-        scripts = sysconfig.get_path("scripts")  # pip's ninja, in a venv that is not activated
-        if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), scripts])
-        build_dir = _cache_dir()
-        build_dir.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name="minisgl_cpu_attention", sources=[str(SOURCE)],
-                           extra_cflags=CFLAGS, build_directory=str(build_dir),
-                           is_python_module=False, verbose=False)
+        library = _cache_dir() / f"{NAME}.so"
+        if library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            _build(library)  # loads it too
         if not torch.ops.minisgl_cpu.available():
             raise RuntimeError("this CPU or compiler has no AVX512-BF16")
     except Exception as e:  # no compiler, no ninja, a compile error: keep the PyTorch path
@@ -86,6 +83,21 @@ def _load() -> bool:
         return False
     _register_fake()
     return True
+
+
+def _build(library: Path) -> None:
+    """Compile into a private directory, then move the library into place (atomic): processes
+    starting together each build, the last rename wins, none waits on another's lock."""
+    from torch.utils import cpp_extension
+
+    scripts = sysconfig.get_path("scripts")  # pip's ninja, in a venv that is not activated
+    if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), scripts])
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent.parent) as tmp:
+        cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                           build_directory=tmp, is_python_module=False, verbose=False)
+        os.replace(Path(tmp) / f"{NAME}.so", library)
 
 
 def _register_fake() -> None:
