@@ -50,8 +50,8 @@ def test_compiled_decode_matches_eager_every_step(tiny_dirs: dict) -> None:
         llm = LLM(str(path), dtype="float32", compile=mode, max_running_requests=8,
                   num_pages=64, page_size=4)
         if mode == "wait":
-            graphs = llm.engine.decode_graphs
-            assert graphs is not None and graphs.ready == {(1, 1), (2, 8)}, graphs.describe()
+            graphs = llm.engine.graphs
+            assert graphs is not None and graphs.ready == {("decode", 1, 1), ("decode", 2, 8)}, graphs.describe()
         with record_logits(llm.engine) as rec:
             single = llm.generate(prompts[:1], greedy(12))[0].token_ids
             batch = [o.token_ids for o in llm.generate(prompts, greedy(70))]
@@ -79,15 +79,49 @@ def test_failed_compilation_runs_eager(tiny_dirs: dict, monkeypatch: pytest.Monk
     path = tiny_dirs["llama-gqa-untied-llama3"]
     prompts = make_prompts([7, 20], VOCAB, seed=4)
     llm = LLM(str(path), dtype="float32", compile="wait", max_running_requests=4)
-    graphs = llm.engine.decode_graphs
+    graphs = llm.engine.graphs
     assert graphs is not None and not graphs.ready
-    assert set(graphs.failed) == {(1, 1), (2, 4)}
-    assert "no graph today" in graphs.failed[(1, 1)]
+    assert set(graphs.failed) == {("decode", 1, 1), ("decode", 2, 4)}
+    assert "no graph today" in graphs.failed[("decode", 1, 1)]
     got = [o.token_ids for o in llm.generate(prompts, greedy(10))]
     llm.close()
     monkeypatch.undo()
     eager = LLM(str(path), dtype="float32", compile="off", max_running_requests=4)
     assert got == [o.token_ids for o in eager.generate(prompts, greedy(10))]
+
+
+def test_compiled_prefill_matches_eager(tiny_dirs: dict) -> None:
+    """bf16 on the CPU attention kernel (its prefill is traceable): one request alone, then
+    three sharing a cached prefix (extend). The prefill graphs run those steps, and their
+    logits are as close to a float32 eager run as the bf16 eager ones are."""
+    from minisgl.backends import cpu_kernels
+
+    if not cpu_kernels.supports(torch.bfloat16, 4, 2, 32):
+        pytest.skip(f"no CPU attention kernel here: {cpu_kernels.load_error}")
+    path = tiny_dirs["qwen3-tied"]  # head_dim 32
+    shared = make_prompts([40], VOCAB, seed=7)[0]
+    tails = make_prompts([3, 9, 17], VOCAB, seed=8)
+    results = {}
+    for dtype, mode in (("float32", "off"), ("bfloat16", "off"), ("bfloat16", "wait")):
+        llm = LLM(str(path), dtype=dtype, compile=mode, max_running_requests=8,
+                  num_pages=64, page_size=4)
+        with record_logits(llm.engine) as rec:  # one token each: prefill logits only
+            llm.generate([shared], greedy(1))
+            llm.generate([shared + t for t in tails], greedy(1))
+        if mode == "wait":
+            graphs = llm.engine.graphs
+            assert graphs is not None
+            assert graphs.steps[("prefill", 1, 1)] == 1, graphs.describe()
+            assert graphs.steps[("prefill", 2, 8)] == 1, graphs.describe()
+        results[(dtype, mode)] = rec
+        llm.close()
+    ref, eager, compiled = results.values()
+    assert len(ref) == len(eager) == len(compiled) == 4
+    for (ids, want), (ids_e, got_e), (ids_c, got_c) in zip(ref, eager, compiled):
+        assert ids == ids_e == ids_c
+        err_eager = (got_e - want).abs().max().item()
+        err_compiled = (got_c - want).abs().max().item()
+        assert err_compiled <= 2 * err_eager + 0.02, (err_compiled, err_eager)
 
 
 def test_background_compile_serves_eager_then_compiled(tiny_dirs: dict,
@@ -101,11 +135,11 @@ def test_background_compile_serves_eager_then_compiled(tiny_dirs: dict,
 
     hits = counters["inductor"]["fxgraph_cache_hit"]
     llm = LLM(str(path), dtype="float32", compile="on", max_running_requests=1)
-    graphs = llm.engine.decode_graphs
+    graphs = llm.engine.graphs
     assert graphs is not None
     before = llm.generate(prompts, greedy(16))[0].token_ids  # most likely still eager
     graphs.join(timeout=600)
-    assert graphs.ready == {(1, 1)}, graphs.describe()
+    assert graphs.ready == {("decode", 1, 1)}, graphs.describe()
     assert any((tmp_path / "inductor").iterdir())
     # this process loaded the worker's graph instead of compiling it again
     assert counters["inductor"]["fxgraph_cache_hit"] > hits

@@ -116,6 +116,13 @@ class TorchNativeBackend(AttentionBackend):
         return [(meta.out_loc, 0, "batch"), (meta.kv_slots, 0, "batch"), (meta.mask, 0, "batch"),
                 (meta.kv_slots, 1, "kv"), (meta.mask, 1, "kv")]
 
+    def prefill_dims(self, meta: TorchNativeMeta) -> list[tuple[torch.Tensor, int, str]] | None:
+        if meta.kernel is None:  # the PyTorch path loops over requests in Python
+            return None
+        a = meta.kernel
+        return [(meta.out_loc, 0, "tokens"), (a.slots, 0, "batch"), (a.slots, 1, "kv"),
+                (a.kv_lens, 0, "batch"), (a.q_start, 0, "batch"), (a.q_lens, 0, "batch")]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 meta: TorchNativeMeta) -> torch.Tensor:
         self.kv.write(layer, meta.out_loc, k, v)

@@ -61,6 +61,12 @@ class AttentionBackend(abc.ABC):
         data-dependent Python control flow in the decode path."""
         return None
 
+    def prefill_dims(self, meta: Any) -> list[tuple[torch.Tensor, int, str]] | None:
+        """Like ``decode_dims``, for a prefill/extend step's ``meta``: kinds ``"tokens"`` (the
+        batch's new tokens), ``"batch"`` and ``"kv"`` (the longest request's keys). None (the
+        default): prefill runs eager. Its ``forward`` must then be traceable for prefill too."""
+        return None
+
 
 @dataclass
 class ForwardContext:

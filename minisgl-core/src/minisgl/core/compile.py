@@ -1,10 +1,12 @@
-"""torch.compile of the decode step (``--compile``), with eager execution until a graph is ready.
+"""torch.compile of the engine's steps (``--compile``), with eager execution until a graph is ready.
 
-What gets compiled: the engine's decode forward (future-token lookup, the model, the LM head) for
-a few batch-size buckets: ``1``, ``2..32`` and ``33..max_running_requests``. Within a bucket the
-batch size, the number of keys per request and the KV pool's size are symbolic
-(``mark_dynamic``), so a bucket is one graph whatever the context lengths. Prefill stays eager:
-it is matmul-bound and has a different shape every step.
+What gets compiled: the engine's forward (future-token lookup, the model, the LM head), for decode
+in a few batch-size buckets: ``1``, ``2..32`` and ``33..max_running_requests``. Within a bucket
+the batch size, the number of keys per request and the KV pool's size are symbolic
+(``mark_dynamic``), so a bucket is one graph whatever the context lengths. Prefill/extend steps
+get two graphs (one request; 2..max_running_requests) with the token count symbolic too, where
+the attention backend can trace its prefill (``prefill_dims``; the CPU kernel can, the PyTorch
+path cannot): eager, a prefill step spends ~20% of its time in norms, RoPE and casts.
 
 Why it pays on CPU: a single-token step is ~1,000 small ops (norms, RoPE, residuals, softmax,
 casts) around the weight matmuls; Inductor fuses them into a few C++ loops. The matmuls
@@ -49,8 +51,10 @@ DUMMY_KV_LEN = 96  # keys per request in the warm-up batch: any value > 1, unlik
 
 WORKER_NUM_PAGES = 37  # the compile worker's KV pool: tiny, and a size no other dim has
 # (tensor, dim, kind): kind "batch" = the number of requests, "kv" = keys per request,
-# "pool" = slots in the KV pool
+# "tokens" = new tokens in a prefill step, "pool" = slots in the KV pool
 DynamicDims = list[tuple[torch.Tensor, int, str]]
+# A graph: ("decode", lo, hi) for batch sizes lo..hi, ("prefill", lo, hi) for lo..hi requests
+Key = tuple[str, int, int]
 
 
 def default_mode() -> str:
@@ -67,6 +71,11 @@ def resolve_mode(mode: str, device: torch.device, tp_size: int) -> str:
     if mode == "auto":
         return "on" if device.type == "cpu" else "off"
     return mode
+
+
+def prefill_keys(max_batch: int) -> list[Key]:
+    """One request (its dims of size 1 are specialised) and 2..max_batch requests."""
+    return [("prefill", 1, 1)] + ([("prefill", 2, max_batch)] if max_batch >= 2 else [])
 
 
 def buckets_for(max_batch: int) -> list[tuple[int, int]]:
@@ -107,79 +116,84 @@ def _own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
                               None, call.__closure__)
 
 
-class DecodeGraphs:
-    """Compiled decode forwards per batch bucket; ``run`` returns None where the step must run
-    eager (bucket not compiled yet, or its compilation failed).
+class StepGraphs:
+    """Compiled forwards per key (decode batch bucket, prefill request range); ``run`` returns
+    None where the step must run eager (not compiled yet, compilation failed, or a shape the
+    graph does not cover).
 
-    ``fn(*args)`` is the forward to compile; ``dims(args)`` names the symbolic dims of its
-    tensor arguments; ``dummy(batch_size, kv_len)`` builds warm-up arguments that write only to
-    the pool's scratch page.
+    ``fn(*args)`` is the forward to compile; ``dims[phase](args)`` names the symbolic dims of its
+    tensor arguments; ``dummy[phase](batch_size)`` builds warm-up arguments that write only to
+    the pool's scratch page. Phases without ``dims``/``dummy`` (prefill, where the backend
+    cannot trace it) get no graphs.
     """
 
-    def __init__(self, fn: Callable[..., torch.Tensor], dims: Callable[..., DynamicDims],
-                 dummy: Callable[[int, int], tuple[Any, ...]], max_batch: int,
+    def __init__(self, fn: Callable[..., torch.Tensor],
+                 dims: dict[str, Callable[..., DynamicDims]],
+                 dummy: dict[str, Callable[[int], tuple[Any, ...]]], max_batch: int,
                  worker_config: dict[str, Any] | None = None) -> None:
         _use_persistent_cache()
         self._worker_config = worker_config  # EngineConfig fields for the compile worker
         self._dims, self._dummy = dims, dummy
-        self.buckets = buckets_for(max_batch)
-        self._compiled = {b: torch.compile(_own_code(fn, f"decode_batch_{b[0]}_to_{b[1]}"),
+        self.keys: list[Key] = [("decode", lo, hi) for lo, hi in buckets_for(max_batch)]
+        if "prefill" in dims:
+            self.keys += prefill_keys(max_batch)
+        self._compiled = {k: torch.compile(_own_code(fn, f"{k[0]}_{k[1]}_to_{k[2]}"),
                                            dynamic=False,
                                            options={"guard_filter_fn": _keep_shape_guards})
-                          for b in self.buckets}
-        self.ready: set[tuple[int, int]] = set()
-        self.failed: dict[tuple[int, int], str] = {}
-        self.compile_seconds: dict[tuple[int, int], float] = {}
+                          for k in self.keys}
+        self.ready: set[Key] = set()
+        self.failed: dict[Key, str] = {}
+        self.compile_seconds: dict[Key, float] = {}
+        self.steps: dict[Key, int] = dict.fromkeys(self.keys, 0)  # steps each graph ran
         self._thread: threading.Thread | None = None
 
-    def bucket(self, batch_size: int) -> tuple[int, int] | None:
-        for lo, hi in self.buckets:
-            if lo <= batch_size <= hi:
-                return lo, hi
+    def key(self, phase: str, batch_size: int) -> Key | None:
+        for k in self.keys:
+            if k[0] == phase and k[1] <= batch_size <= k[2]:
+                return k
         return None
 
-    def _mark(self, args: tuple[Any, ...], bucket: tuple[int, int]) -> None:
-        lo, hi = bucket
-        for t, d, kind in self._dims(*args):
-            if kind in ("kv", "pool"):
+    def _mark(self, args: tuple[Any, ...], key: Key) -> None:
+        phase, lo, hi = key
+        for t, d, kind in self._dims[phase](*args):
+            if kind in ("kv", "pool", "tokens"):  # >= 2 (sizes 0 and 1 would be specialised)
                 torch._dynamo.mark_dynamic(t, d)
             elif lo != hi:
                 torch._dynamo.mark_dynamic(t, d, min=lo, max=hi)
 
-    def _call(self, args: tuple[Any, ...], bucket: tuple[int, int]) -> torch.Tensor:
+    def _call(self, args: tuple[Any, ...], key: Key) -> torch.Tensor:
         with torch.inference_mode():
-            out: torch.Tensor = self._compiled[bucket](*args)
+            out: torch.Tensor = self._compiled[key](*args)
         return out
 
-    def compile_bucket(self, bucket: tuple[int, int]) -> None:
+    def compile_one(self, key: Key) -> None:
         start = time.perf_counter()
         try:
             # the marks matter while tracing only: later steps are checked by the shape guards
-            args = self._dummy(max(bucket[0], 2) if bucket[1] > 1 else 1, DUMMY_KV_LEN)
-            self._mark(args, bucket)
-            self._call(args, bucket)
+            args = self._dummy[key[0]](min(max(key[1], 5), key[2]) if key[2] > 1 else 1)
+            self._mark(args, key)
+            self._call(args, key)
         except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager
-            self.failed[bucket] = f"{type(e).__name__}: {e}"
-            log.warning("decode graph for batch %s-%s failed to compile; it runs eager: %s",
-                        *bucket, self.failed[bucket].splitlines()[0])
+            self.failed[key] = f"{type(e).__name__}: {e}"
+            log.warning("%s graph for batch %s-%s failed to compile; it runs eager: %s",
+                        *key, self.failed[key].splitlines()[0])
             return
-        self.compile_seconds[bucket] = time.perf_counter() - start
-        self.ready.add(bucket)
-        log.info("decode graph for batch %s-%s ready (%.1f s)", *bucket,
-                 self.compile_seconds[bucket])
+        self.compile_seconds[key] = time.perf_counter() - start
+        self.ready.add(key)
+        log.info("%s graph for batch %s-%s ready (%.1f s)", *key, self.compile_seconds[key])
 
     def describe(self) -> str:
-        """One line: each bucket's state and compile time."""
+        """One line: each graph's state and compile time."""
         parts = []
-        for b in self.buckets:
-            state = (f"{self.compile_seconds[b]:.1f} s" if b in self.ready else
-                     "failed" if b in self.failed else "pending")
-            parts.append(f"batch {b[0]}-{b[1]}: {state}")
+        for k in self.keys:
+            state = (f"{self.compile_seconds[k]:.1f} s" if k in self.ready else
+                     "failed" if k in self.failed else "pending")
+            parts.append(f"{k[0]} {k[1]}-{k[2]}: {state}")
         return ", ".join(parts)
 
     def compile_all(self) -> None:
-        for b in self.buckets:
-            self.compile_bucket(b)
+        for k in self.keys:
+            self.compile_one(k)
 
     def _run_worker(self) -> bool:
         """The compile worker fills the on-disk cache; False (all buckets failed) if it fails."""
@@ -194,9 +208,9 @@ class DecodeGraphs:
         if proc.returncode == 0:
             return True
         why = (err.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
-        for b in self.buckets:
-            self.failed[b] = f"compile worker exited with {proc.returncode}: {why}"
-        log.warning("decode compile worker failed (exit %s); decode runs eager: %s",
+        for k in self.keys:
+            self.failed[k] = f"compile worker exited with {proc.returncode}: {why}"
+        log.warning("compile worker failed (exit %s); the engine runs eager: %s",
                     proc.returncode, why)
         return False
 
@@ -216,18 +230,31 @@ class DecodeGraphs:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def run(self, args: tuple[Any, ...], batch_size: int) -> torch.Tensor | None:
-        bucket = self.bucket(batch_size)
-        if bucket is None or bucket not in self.ready:
+    def run(self, phase: str, args: tuple[Any, ...], batch_size: int) -> torch.Tensor | None:
+        key = self.key(phase, batch_size)
+        if key is None or key not in self.ready:
             return None
         try:
-            return self._call(args, bucket)
+            # a shape the graph's guards reject would recompile here, in the serving process,
+            # for a minute: refused instead, and that step runs eager
+            with torch.compiler.set_stance("fail_on_recompile"):
+                out = self._call(args, key)
+            self.steps[key] += 1
+            return out
+        except RuntimeError as e:
+            if "recompil" in str(e).lower():
+                log.debug("%s graph for batch %s-%s: step not covered, eager: %s", *key, e)
+                return None
+            self._disable(key, e)
         except Exception as e:  # noqa: BLE001 - a graph that breaks at run time: back to eager
-            self.ready.discard(bucket)
-            self.failed[bucket] = f"{type(e).__name__}: {e}"
-            log.warning("decode graph for batch %s-%s failed; it runs eager from now: %s",
-                        *bucket, self.failed[bucket].splitlines()[0])
-            return None
+            self._disable(key, e)
+        return None
+
+    def _disable(self, key: Key, e: Exception) -> None:
+        self.ready.discard(key)
+        self.failed[key] = f"{type(e).__name__}: {e}"
+        log.warning("%s graph for batch %s-%s failed; it runs eager from now: %s",
+                    *key, self.failed[key].splitlines()[0])
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
@@ -237,7 +264,7 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
 
 def _worker_main(config_json: str, threads: str) -> int:
     """``python -m minisgl.core.compile CONFIG``: build the engine (compile='wait'), which
-    compiles every decode bucket into the on-disk cache, then exit."""
+    compiles every graph into the on-disk cache, then exit."""
     from minisgl.core.config import EngineConfig
     from minisgl.core.engine import Engine
     from minisgl.core.tp import die_with_parent
@@ -249,7 +276,7 @@ def _worker_main(config_json: str, threads: str) -> int:
     os.nice(10)
     torch.set_num_threads(int(threads))
     engine = Engine(EngineConfig(**json.loads(config_json)))
-    graphs = engine.decode_graphs
+    graphs = engine.graphs
     return 0 if graphs is not None and not graphs.failed else 1
 
 

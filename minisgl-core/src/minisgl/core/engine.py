@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from minisgl.core.attention import AttentionBackend, BatchLayout, ForwardContext
-from minisgl.core.compile import DecodeGraphs, DynamicDims, resolve_mode
+from minisgl.core.compile import DUMMY_KV_LEN, DynamicDims, StepGraphs, resolve_mode
 from minisgl.core.config import EngineConfig, ModelConfig, resolve_dtype
 from minisgl.core.distributed import Communicator
 from minisgl.core.kvcache import KVPool, PageAllocator, ReqToTokenTable
@@ -85,13 +85,16 @@ class Engine:
         self.future = torch.zeros(4 * config.max_running_requests + 8, dtype=torch.int64,
                                   device=self.device)
         self._next_future = 0
-        self.decode_graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         self.compile_mode = resolve_mode(config.compile, self.device, tp)
         if self.compile_mode != "off":
-            self.decode_graphs = DecodeGraphs(self._forward, self._decode_dims,
-                                              self._dummy_decode, config.max_running_requests,
-                                              self._worker_config())
-            self.decode_graphs.start(wait=self.compile_mode == "wait")
+            dims: dict[str, Callable[..., DynamicDims]] = {"decode": self._decode_dims}
+            dummy: dict[str, Callable[[int], tuple[Any, ...]]] = {"decode": self._dummy_decode}
+            if self.backend.prefill_dims(self._dummy_prefill(2)[2]) is not None:
+                dims["prefill"], dummy["prefill"] = self._prefill_dims, self._dummy_prefill
+            self.graphs = StepGraphs(self._forward, dims, dummy, config.max_running_requests,
+                                     self._worker_config())
+            self.graphs.start(wait=self.compile_mode == "wait")
 
     def _worker_config(self) -> dict[str, Any]:
         """This engine's config as JSON-able fields, for the compile worker process."""
@@ -100,16 +103,37 @@ class Engine:
             cfg["dtype"] = str(cfg["dtype"]).removeprefix("torch.")
         return cfg
 
-    def _dummy_decode(self, batch_size: int, kv_len: int) -> tuple[Any, ...]:
+    def _zeros(self, *shape: int) -> torch.Tensor:  # a fresh tensor each: no aliased arguments
+        return torch.zeros(shape, dtype=torch.int64, device=self.device)
+
+    def _dummy_decode(self, batch_size: int) -> tuple[Any, ...]:
         """Arguments of ``_forward`` for a decode step that reads and writes only slot 0 (the
         scratch page): compiles a graph while real requests run eager."""
-        def zeros(*shape: int) -> torch.Tensor:  # a fresh tensor each: no aliased arguments
-            return torch.zeros(shape, dtype=torch.int64, device=self.device)
-
-        layout = BatchLayout("decode", [1] * batch_size, [kv_len] * batch_size, [0] * batch_size,
-                             zeros(1, kv_len), zeros(batch_size))
+        zeros = self._zeros
+        layout = BatchLayout("decode", [1] * batch_size, [DUMMY_KV_LEN] * batch_size,
+                             [0] * batch_size, zeros(1, DUMMY_KV_LEN), zeros(batch_size))
         return (zeros(batch_size), zeros(batch_size), self.backend.prepare(layout),
                 torch.arange(batch_size, device=self.device))
+
+    def _dummy_prefill(self, num_reqs: int) -> tuple[Any, ...]:
+        """Like ``_dummy_decode`` for a prefill/extend step: request i has 5 + 2i new tokens after
+        3 + 3i cached ones, so that tokens, requests and keys all differ (one symbol each)."""
+        zeros = self._zeros
+        q_lens = [5 + 2 * i for i in range(num_reqs)]
+        kv_lens = [n + 3 + 3 * i for i, n in enumerate(q_lens)]
+        n = sum(q_lens)
+        layout = BatchLayout("prefill", q_lens, kv_lens, [0] * num_reqs, zeros(1, max(kv_lens)),
+                             zeros(n))
+        ends = torch.cumsum(torch.tensor(q_lens), 0) - 1
+        return (zeros(n), zeros(n), self.backend.prepare(layout), ends.to(self.device))
+
+    def _prefill_dims(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                      logits_indices: torch.Tensor) -> DynamicDims:
+        dims = self.backend.prefill_dims(meta)
+        assert dims is not None
+        pool = [(t, 1, "pool") for t in self.kv.k + self.kv.v]
+        return [(ids, 0, "tokens"), (positions, 0, "tokens"), (logits_indices, 0, "batch"), *dims,
+                *pool]
 
     def _decode_dims(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any,
                      logits_indices: torch.Tensor) -> DynamicDims:
@@ -149,17 +173,18 @@ class Engine:
         """Float32 logits [N, vocab] for the sampled rows of the batch."""
         meta = inputs.meta if inputs.meta is not None else self.backend.prepare(inputs.layout)
         args = (inputs.input_ids, inputs.positions, meta, inputs.logits_indices)
-        n = inputs.input_ids.shape[0]
-        if (self.decode_graphs is not None and inputs.layout.phase == "decode"
-                and inputs.logits_indices.shape[0] == n):
-            out = self.decode_graphs.run(args, n)
+        n, reqs = inputs.input_ids.shape[0], len(inputs.layout.q_lens)
+        # graphs sample every request's last token (not prompt_logprobs, not a partial chunk)
+        if self.graphs is not None and inputs.logits_indices.shape[0] == reqs:
+            phase = inputs.layout.phase
+            out = self.graphs.run(phase, args, reqs) if phase == "decode" or n >= 2 else None
             if out is not None:
                 return out
         return self._forward(*args)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any,
                  logits_indices: torch.Tensor) -> torch.Tensor:
-        """The forward itself (compiled for decode by ``decode_graphs``)."""
+        """The forward itself (what ``graphs`` compile)."""
         ids = torch.where(ids >= 0, ids, self.future[(-1 - ids).clamp(min=0)])
         hidden = self.model(ids, positions, ForwardContext(self.backend, meta))
         return self.model.compute_logits(hidden[logits_indices]).float()

@@ -525,8 +525,8 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
     kw = bench_engine_kwargs(args)
     log(f"loading minisgl ({args.model})")
     llm = LLM(model=args.model, **kw)
-    if llm.engine.decode_graphs is not None:
-        log(f"decode graphs compiled in {llm.engine.decode_graphs.describe()}")
+    if llm.engine.graphs is not None:
+        log(f"graphs compiled in {llm.engine.graphs.describe()}")
     systems: list[System] = [MinisglSystem(llm)]
     if args.vs_overlap:
         systems.append(MinisglSystem(LLM(model=args.model, **dict(kw, overlap=True)),
