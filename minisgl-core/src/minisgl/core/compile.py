@@ -51,7 +51,8 @@ DUMMY_KV_LEN = 96  # keys per request in the warm-up batch: any value > 1, unlik
 
 WORKER_NUM_PAGES = 37  # the compile worker's KV pool: tiny, and a size no other dim has
 # (tensor, dim, kind): kind "batch" = the number of requests, "kv" = keys per request,
-# "tokens" = new tokens in a prefill step, "pool" = slots in the KV pool
+# "tokens" = new tokens in a prefill step, "rows" = its sampled rows, "pool" = slots in the KV
+# pool
 DynamicDims = list[tuple[torch.Tensor, int, str]]
 # A graph: ("decode", lo, hi) for batch sizes lo..hi, ("prefill", lo, hi) for lo..hi requests
 Key = tuple[str, int, int]
@@ -130,8 +131,12 @@ class StepGraphs:
     def __init__(self, fn: Callable[..., torch.Tensor],
                  dims: dict[str, Callable[..., DynamicDims]],
                  dummy: dict[str, Callable[[int], tuple[Any, ...]]], max_batch: int,
-                 worker_config: dict[str, Any] | None = None) -> None:
+                 worker_config: dict[str, Any] | None = None, max_rows: int | None = None
+                 ) -> None:
         _use_persistent_cache()
+        # a prefill graph's sampled rows range over 2..max_rows (the int8 LM head switches
+        # kernels at INT8_MM_MAX_ROWS rows; a graph covers one side)
+        self._max_rows = max_rows or max_batch
         self._worker_config = worker_config  # EngineConfig fields for the compile worker
         self._dims, self._dummy = dims, dummy
         self.keys: list[Key] = [("decode", lo, hi) for lo, hi in buckets_for(max_batch)]
@@ -156,8 +161,11 @@ class StepGraphs:
     def _mark(self, args: tuple[Any, ...], key: Key) -> None:
         phase, lo, hi = key
         for t, d, kind in self._dims[phase](*args):
-            if kind in ("kv", "pool", "tokens"):  # >= 2 (sizes 0 and 1 would be specialised)
+            if kind in ("kv", "pool", "tokens"):  # >= 2 (0 and 1 are specialised)
                 torch._dynamo.mark_dynamic(t, d)
+            elif kind == "rows":  # one request: one row, static
+                if hi > 1:
+                    torch._dynamo.mark_dynamic(t, d, min=2, max=max(self._max_rows, 3))
             elif lo != hi:
                 torch._dynamo.mark_dynamic(t, d, min=lo, max=hi)
 

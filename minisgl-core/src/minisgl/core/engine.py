@@ -15,7 +15,7 @@ from minisgl.core.compile import DUMMY_KV_LEN, DynamicDims, StepGraphs, resolve_
 from minisgl.core.config import EngineConfig, ModelConfig, resolve_dtype
 from minisgl.core.distributed import Communicator
 from minisgl.core.kvcache import KVPool, PageAllocator, ReqToTokenTable
-from minisgl.core.layers.quant import prepack_model, quantize_model_int8
+from minisgl.core.layers.quant import INT8_MM_MAX_ROWS, prepack_model, quantize_model_int8
 from minisgl.core.model import CausalLM
 from minisgl.core.plugins import PluginManager, get_plugin_manager
 from minisgl.core.request import Batch, Req
@@ -92,8 +92,9 @@ class Engine:
             dummy: dict[str, Callable[[int], tuple[Any, ...]]] = {"decode": self._dummy_decode}
             if self.backend.prefill_dims(self._dummy_prefill(2)[2]) is not None:
                 dims["prefill"], dummy["prefill"] = self._prefill_dims, self._dummy_prefill
+            int8 = config.quantization == "int8"
             self.graphs = StepGraphs(self._forward, dims, dummy, config.max_running_requests,
-                                     self._worker_config())
+                                     self._worker_config(), INT8_MM_MAX_ROWS if int8 else None)
             self.graphs.start(wait=self.compile_mode == "wait")
 
     def _worker_config(self) -> dict[str, Any]:
@@ -125,6 +126,8 @@ class Engine:
         layout = BatchLayout("prefill", q_lens, kv_lens, [0] * num_reqs, zeros(1, max(kv_lens)),
                              zeros(n))
         ends = torch.cumsum(torch.tensor(q_lens), 0) - 1
+        if num_reqs > 2:  # the last request unsampled (a chunk), so rows differ from requests
+            ends = ends[:-1]
         return (zeros(n), zeros(n), self.backend.prepare(layout), ends.to(self.device))
 
     def _prefill_dims(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any,
@@ -132,7 +135,7 @@ class Engine:
         dims = self.backend.prefill_dims(meta)
         assert dims is not None
         pool = [(t, 1, "pool") for t in self.kv.k + self.kv.v]
-        return [(ids, 0, "tokens"), (positions, 0, "tokens"), (logits_indices, 0, "batch"), *dims,
+        return [(ids, 0, "tokens"), (positions, 0, "tokens"), (logits_indices, 0, "rows"), *dims,
                 *pool]
 
     def _decode_dims(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any,
@@ -173,14 +176,28 @@ class Engine:
         """Float32 logits [N, vocab] for the sampled rows of the batch."""
         meta = inputs.meta if inputs.meta is not None else self.backend.prepare(inputs.layout)
         args = (inputs.input_ids, inputs.positions, meta, inputs.logits_indices)
-        n, reqs = inputs.input_ids.shape[0], len(inputs.layout.q_lens)
-        # graphs sample every request's last token (not prompt_logprobs, not a partial chunk)
-        if self.graphs is not None and inputs.logits_indices.shape[0] == reqs:
-            phase = inputs.layout.phase
-            out = self.graphs.run(phase, args, reqs) if phase == "decode" or n >= 2 else None
+        if self.graphs is not None:
+            out = self._run_graph(inputs.layout, args)
             if out is not None:
                 return out
         return self._forward(*args)
+
+    def _run_graph(self, layout: BatchLayout, args: tuple[Any, ...]) -> torch.Tensor | None:
+        assert self.graphs is not None
+        ids, logits_indices = args[0], args[3]
+        n, reqs, rows = ids.shape[0], len(layout.q_lens), logits_indices.shape[0]
+        if layout.phase == "decode":
+            return self.graphs.run("decode", args, reqs) if rows == reqs else None
+        if reqs == 1:
+            return self.graphs.run("prefill", args, 1) if rows == 1 and n >= 2 else None
+        if rows > reqs:  # prompt_logprobs
+            return None
+        # Sampled rows (a chunk's unfinished last request has none) are a symbolic dim >= 2:
+        # fewer are padded with the last token's row and dropped again.
+        padded = torch.cat([logits_indices, logits_indices.new_full((2 - rows,), n - 1)]) \
+            if rows < 2 else logits_indices
+        out = self.graphs.run("prefill", (*args[:3], padded), reqs)
+        return None if out is None else out[:rows]
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any,
                  logits_indices: torch.Tensor) -> torch.Tensor:
