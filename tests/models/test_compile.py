@@ -92,7 +92,8 @@ def test_failed_compilation_runs_eager(tiny_dirs: dict, monkeypatch: pytest.Monk
 
 def test_compiled_prefill_matches_eager(tiny_dirs: dict) -> None:
     """bf16 on the CPU attention kernel (its prefill is traceable): one request alone, then
-    three sharing a cached prefix (extend). The prefill graphs run those steps, and their
+    three sharing a cached prefix (extend), in chunks of 24 tokens, so that one step samples
+    one row of two requests (padded to two rows). The prefill graphs run those steps, and their
     logits are as close to a float32 eager run as the bf16 eager ones are."""
     from minisgl.backends import cpu_kernels
 
@@ -100,19 +101,19 @@ def test_compiled_prefill_matches_eager(tiny_dirs: dict) -> None:
         pytest.skip(f"no CPU attention kernel here: {cpu_kernels.load_error}")
     path = tiny_dirs["qwen3-tied"]  # head_dim 32
     shared = make_prompts([40], VOCAB, seed=7)[0]
-    tails = make_prompts([3, 9, 17], VOCAB, seed=8)
+    tails = make_prompts([3, 30, 9], VOCAB, seed=8)  # chunks: 3 + 21 | 9 + 9 (rows 1 | 2)
     results = {}
     for dtype, mode in (("float32", "off"), ("bfloat16", "off"), ("bfloat16", "wait")):
         llm = LLM(str(path), dtype=dtype, compile=mode, max_running_requests=8,
-                  num_pages=64, page_size=4)
+                  num_pages=64, page_size=4, max_prefill_tokens=24)
         with record_logits(llm.engine) as rec:  # one token each: prefill logits only
             llm.generate([shared], greedy(1))
             llm.generate([shared + t for t in tails], greedy(1))
         if mode == "wait":
             graphs = llm.engine.graphs
             assert graphs is not None
-            assert graphs.steps[("prefill", 1, 1)] == 1, graphs.describe()
-            assert graphs.steps[("prefill", 2, 8)] == 1, graphs.describe()
+            assert graphs.steps[("prefill", 1, 1)] == 1, graphs.describe()  # 40 = 24 + 16
+            assert graphs.steps[("prefill", 2, 8)] == 2, graphs.describe()
         results[(dtype, mode)] = rec
         llm.close()
     ref, eager, compiled = results.values()
