@@ -1,9 +1,10 @@
-"""The compiled decode step (``compile=...``) and oneDNN-prepacked weights, against eager/F.linear.
+"""Compiled steps (``compile=...``) and oneDNN-prepacked weights, against eager/F.linear.
 
 The whole suite also runs with ``MINISGL_COMPILE=wait`` (nox ``tests-compiled`` sessions): then
 every HF-reference test checks compiled decode steps too. Here: bucket routing, compiled logits
-equal to eager ones step by step, eager fallback where compilation fails, the background mode
-(worker process + cache) and prepacking.
+equal to eager ones step by step, compiled prefill (bf16, CPU attention kernel) as close to
+float32 as eager bf16, eager fallback where compilation fails, the background mode (worker
+process + cache) and prepacking.
 """
 
 from __future__ import annotations

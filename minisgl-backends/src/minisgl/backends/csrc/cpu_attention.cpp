@@ -290,9 +290,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
           items.push_back({b, h, q0, nq, k0, std::min(end, k0 + chunk), parts++});
       }
   }
-  // Longest first, handed out one at a time: causal blocks differ in cost.
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.k1 - a.k0 > b.k1 - b.k0; });
+  const int64_t* sp0 = slots.data_ptr<int64_t>();
+  if (max_q > 1) {  // longest first, handed out one at a time: causal blocks differ in cost
+    std::stable_sort(items.begin(), items.end(),
+                     [](const Item& a, const Item& b) { return a.k1 - a.k0 > b.k1 - b.k0; });
+  } else {  // decode: requests that start on the same page (a shared prefix) back to back, so
+            // its K/V is still in cache for the next one (the threads take neighbouring items)
+    auto first = [&](const Item& it) { return sp0[it.b * Lk + it.k0]; };
+    std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+      return a.h != b.h ? a.h < b.h : first(a) < first(b);
+    });
+  }
   const int64_t stride = G * (D + 2);  // a part: m[G], l[G], O[G, D] (decode: one query)
   std::vector<float> part(parts * stride);
   const auto* qp = q.data_ptr<c10::BFloat16>();
