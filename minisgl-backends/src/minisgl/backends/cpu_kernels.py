@@ -7,9 +7,9 @@ The source is compiled with the machine's compiler (``-O3 -march=native``) throu
 ``torch.utils.cpp_extension`` into ``~/.cache/minisgl/ext/<key>``, the key covering the source,
 torch's version and the CPU's instruction-set flags, so a later start loads the built library in
 well under a second. Building needs a C++ compiler and ninja (a dependency of this package);
-when either is missing or the build
-fails, ``load()`` returns False with the reason in ``load_error`` and the backends keep their
-pure-PyTorch path. ``MINISGL_CPU_KERNELS=off`` turns the kernels off.
+when either is missing or the build fails, ``load()`` returns False with the reason in
+``load_error`` and the backends keep their pure-PyTorch path. ``MINISGL_CPU_KERNELS=off`` turns
+the kernels off.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def enabled() -> bool:
 
 def load() -> bool:
     """Build (first time) and load the kernels; True when ``torch.ops.minisgl_cpu`` is usable."""
-    global _state, load_error
+    global _state
     with _lock:
         if _state is None:
             _state = _load()

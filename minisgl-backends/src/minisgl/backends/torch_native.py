@@ -73,10 +73,10 @@ class TorchNativeBackend(AttentionBackend):
             kv.k[0].dtype, num_heads, num_kv_heads, head_dim)
 
     def prepare(self, layout: BatchLayout) -> TorchNativeMeta:
-        dev = self.device
-        table = layout.req_to_token
         if self.uses_cpu_kernel:
             return self._prepare_kernel(layout)
+        dev = self.device
+        table = layout.req_to_token
         if layout.phase == "decode":
             kv_lens = torch.tensor(layout.kv_lens, dtype=torch.int64, device=table.device)
             lk = min(_round_up(max(layout.kv_lens), KV_BUCKET), table.shape[1])
@@ -107,11 +107,17 @@ class TorchNativeBackend(AttentionBackend):
                           torch.cumsum(q_lens, 0) - q_lens, q_lens)
         return TorchNativeMeta(layout.out_loc, kernel=args)
 
+    @staticmethod
+    def _kernel_dims(meta: TorchNativeMeta, new_tokens: str) -> list[tuple[torch.Tensor, int, str]]:
+        """The kernel path's dims; ``new_tokens``: the kind of out_loc's ("batch" in decode)."""
+        a = meta.kernel
+        assert a is not None
+        return [(meta.out_loc, 0, new_tokens), (a.slots, 0, "batch"), (a.slots, 1, "kv"),
+                (a.kv_lens, 0, "batch"), (a.q_start, 0, "batch"), (a.q_lens, 0, "batch")]
+
     def decode_dims(self, meta: TorchNativeMeta) -> list[tuple[torch.Tensor, int, str]] | None:
         if meta.kernel is not None:
-            a = meta.kernel
-            return [(meta.out_loc, 0, "batch"), (a.slots, 0, "batch"), (a.slots, 1, "kv"),
-                    (a.kv_lens, 0, "batch"), (a.q_start, 0, "batch"), (a.q_lens, 0, "batch")]
+            return self._kernel_dims(meta, "batch")
         assert meta.kv_slots is not None and meta.mask is not None
         return [(meta.out_loc, 0, "batch"), (meta.kv_slots, 0, "batch"), (meta.mask, 0, "batch"),
                 (meta.kv_slots, 1, "kv"), (meta.mask, 1, "kv")]
@@ -119,9 +125,7 @@ class TorchNativeBackend(AttentionBackend):
     def prefill_dims(self, meta: TorchNativeMeta) -> list[tuple[torch.Tensor, int, str]] | None:
         if meta.kernel is None:  # the PyTorch path loops over requests in Python
             return None
-        a = meta.kernel
-        return [(meta.out_loc, 0, "tokens"), (a.slots, 0, "batch"), (a.slots, 1, "kv"),
-                (a.kv_lens, 0, "batch"), (a.q_start, 0, "batch"), (a.q_lens, 0, "batch")]
+        return self._kernel_dims(meta, "tokens")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 meta: TorchNativeMeta) -> torch.Tensor:

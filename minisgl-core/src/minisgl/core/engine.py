@@ -134,9 +134,11 @@ class Engine:
                       logits_indices: torch.Tensor) -> DynamicDims:
         dims = self.backend.prefill_dims(meta)
         assert dims is not None
-        pool = [(t, 1, "pool") for t in self.kv.k + self.kv.v]
         return [(ids, 0, "tokens"), (positions, 0, "tokens"), (logits_indices, 0, "rows"), *dims,
-                *pool]
+                *self._pool_dims()]
+
+    def _pool_dims(self) -> DynamicDims:
+        return [(t, 1, "pool") for t in self.kv.k + self.kv.v]  # [kv_heads, slots, head_dim]
 
     def _decode_dims(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any,
                      logits_indices: torch.Tensor) -> DynamicDims:
@@ -144,9 +146,8 @@ class Engine:
         if dims is None:
             raise NotImplementedError(f"attention backend {self.config.attention_backend!r} "
                                       "has no compilable decode (decode_dims)")
-        pool = [(t, 1, "pool") for t in self.kv.k + self.kv.v]  # [kv_heads, slots, head_dim]
         return [(ids, 0, "batch"), (positions, 0, "batch"), (logits_indices, 0, "batch"), *dims,
-                *pool]
+                *self._pool_dims()]
 
     def prepare(self, batch: Batch) -> ForwardInputs:
         """Flatten the batch (no padding) and build the attention layout for it."""

@@ -290,13 +290,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
           items.push_back({b, h, q0, nq, k0, std::min(end, k0 + chunk), parts++});
       }
   }
-  const int64_t* sp0 = slots.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
   if (max_q > 1) {  // longest first, handed out one at a time: causal blocks differ in cost
     std::stable_sort(items.begin(), items.end(),
                      [](const Item& a, const Item& b) { return a.k1 - a.k0 > b.k1 - b.k0; });
   } else {  // decode: requests that start on the same page (a shared prefix) back to back, so
             // its K/V is still in cache for the next one (the threads take neighbouring items)
-    auto first = [&](const Item& it) { return sp0[it.b * Lk + it.k0]; };
+    auto first = [&](const Item& it) { return sp[it.b * Lk + it.k0]; };
     std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
       return a.h != b.h ? a.h < b.h : first(a) < first(b);
     });
@@ -306,7 +306,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const auto* qp = q.data_ptr<c10::BFloat16>();
   const auto* kp = k.data_ptr<c10::BFloat16>();
   const auto* vp = v.data_ptr<c10::BFloat16>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
   auto* op = out.data_ptr<c10::BFloat16>();
   const float fscale = static_cast<float>(scale);
   std::atomic<int64_t> next{0};
