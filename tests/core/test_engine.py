@@ -166,3 +166,37 @@ def test_a_stalled_scheduler_raises_instead_of_hanging(llm: LLM, monkeypatch: py
     monkeypatch.undo()
     assert all_free(llm)  # the stuck request was aborted on the way out
     assert llm.generate([PROMPTS[0]], greedy(2))[0].finish_reason == "length"
+
+
+def test_threads_option_sets_torch_threads_and_close_restores(tiny_llama: Path, hf_tiny: object
+                                                                ) -> None:
+    before = torch.get_num_threads()
+    want = 1 if before > 1 else 2
+    llm = LLM(model=str(tiny_llama), dtype="float32", threads=want, num_pages=32)
+    try:
+        assert torch.get_num_threads() == want
+        out = llm.generate([PROMPTS[0]], greedy(6))[0]
+        assert out.token_ids == hf_greedy(hf_tiny, PROMPTS[0], 6)  # same answer, other threads
+    finally:
+        llm.close()
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads"):
+        LLM(model=str(tiny_llama), threads=0, num_pages=16)
+
+
+def test_cpu_threads_split_among_local_ranks(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+                                             ) -> None:
+    from minisgl.core.config import EngineConfig
+    from minisgl.core.tp import cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    one = EngineConfig(model=str(tiny_llama))
+    two = EngineConfig(model=str(tiny_llama), tp_size=2)
+    assert cpu_threads(one, 1) is None  # torch's own default
+    assert cpu_threads(two, 2) == 4
+    assert cpu_threads(EngineConfig(model=str(tiny_llama), tp_size=3), 3) == 2
+    assert cpu_threads(EngineConfig(model=str(tiny_llama), tp_size=2, threads=3), 2) == 3
+    assert cpu_threads(EngineConfig(model=str(tiny_llama), device="cuda", tp_size=2), 2) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert cpu_threads(two, 2) is None  # the user's OpenMP setting wins over the split

@@ -143,6 +143,9 @@ class EngineConfig:
     seed: int = 0
     tp_rank: int = 0
     tp_size: int = 1
+    # torch CPU threads of each rank. None: torch's default (the machine's physical cores, or
+    # OMP_NUM_THREADS) split among the ranks on this machine.
+    threads: int | None = None
     dist_timeout: float = 300.0  # seconds a TP collective may wait before it is an error
     quantization: str | None = None  # "int8": weight-only int8 linear layers and LM head
     # torch.compile of the decode step (compile.py): auto | on (background) | wait | off
@@ -160,6 +163,7 @@ class EngineConfig:
             ("max_prefill_tokens", self.max_prefill_tokens >= 1, "must be >= 1"),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, "must be >= 2"),
             ("tp_size", self.tp_size >= 1 and 0 <= self.tp_rank < self.tp_size, "bad tp rank/size"),
+            ("threads", self.threads is None or self.threads >= 1, "must be >= 1"),
             ("dist_timeout", self.dist_timeout > 0, "must be > 0 seconds"),
             ("quantization", self.quantization in (None, "int8"), "must be None or 'int8'"),
             ("compile", self.compile in COMPILE_MODES, f"must be one of {', '.join(COMPILE_MODES)}"),

@@ -130,10 +130,17 @@ def follow(scheduler: Scheduler, channel: ControlChannel) -> None:
                 return
 
 
-def cpu_threads_per_rank(local_ranks: int) -> int:
-    """Torch threads for each of ``local_ranks`` CPU ranks sharing this machine's cores: more
-    threads than cores in total makes OpenMP teams wait on each other (measured 20x slower
-    decode with 3 ranks x 2 threads on 2 cores)."""
+def cpu_threads(config: EngineConfig, local_ranks: int) -> int | None:
+    """Torch threads for a CPU rank (None: leave torch's default): ``config.threads``, else at
+    TP > 1 the cores split among the ``local_ranks`` ranks on this machine (unless
+    OMP_NUM_THREADS says otherwise). More threads than cores in total makes OpenMP teams wait on
+    each other (measured 20x slower decode with 3 ranks x 2 threads on 2 cores)."""
+    if config.torch_device.type != "cpu":
+        return None
+    if config.threads is not None:
+        return config.threads
+    if config.tp_size == 1 or "OMP_NUM_THREADS" in os.environ:
+        return None
     return max(1, (os.cpu_count() or 1) // local_ranks)
 
 
@@ -146,10 +153,11 @@ def start_rank(config: EngineConfig, addr: str, local_ranks: int = 1,
 
     from minisgl.core.engine import Engine
 
+    threads = cpu_threads(config, local_ranks)
+    if threads is not None:
+        torch.set_num_threads(threads)
     if config.tp_size == 1:
         return Scheduler(Engine(config)), None
-    if config.torch_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(cpu_threads_per_rank(local_ranks))
     comm, channel = connect(config.tp_rank, config.tp_size, addr, config.torch_device,
                             config.dist_timeout, dead_ranks,
                             same_host=local_ranks == config.tp_size)

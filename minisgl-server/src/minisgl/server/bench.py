@@ -592,7 +592,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 json.dump({"args": {k: v for k, v in vars(args).items() if k != "func"},
                            "results": [asdict(r) for r in rows]}, f, indent=2)
         return 0
-    if args.threads:
+    if args.threads:  # HF's and llama.cpp's threads too (minisgl's come from engine_kwargs)
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.data_seed)
     llm, systems = _load_systems(args)
@@ -662,7 +662,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--vs-overlap", action="store_true",
                    help="also run minisgl with overlap scheduling forced on")
     p.add_argument("--data-seed", type=int, default=0, help="seed of the random prompts")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="draw the results as a PNG chart (needs matplotlib)")

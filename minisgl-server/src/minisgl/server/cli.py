@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="int8: weight-only int8 linear layers and LM head (faster CPU decode)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads per rank (default: the physical cores, split among "
+                        "the ranks; OMP_NUM_THREADS)")
     p.add_argument("--dist-timeout", type=float, default=defaults["dist_timeout"],
                    help="seconds a TP collective may wait before the deployment fails")
     p.add_argument("--compile", default=None, choices=COMPILE_MODES,
@@ -50,7 +53,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["dtype", "device", "attention_backend", "sampler", "schedule_policy", "cache",
             "overlap", "page_size",
             "num_pages", "kv_cache_memory", "max_running_requests", "max_prefill_tokens",
-            "max_model_len", "seed", "tp", "dist_timeout", "quantization"]
+            "max_model_len", "seed", "tp", "threads", "dist_timeout", "quantization"]
     kw = {k: getattr(args, k) for k in keys}
     if args.compile is not None:  # else EngineConfig's default ($MINISGL_COMPILE or auto)
         kw["compile"] = args.compile

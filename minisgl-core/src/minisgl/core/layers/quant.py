@@ -74,19 +74,20 @@ def _pack_token(packed: torch.Tensor) -> torch.Tensor:
 # weight attached to ``token``, opaque to Inductor. Defined through a plain Library with a CPU
 # kernel rather than ``torch.library.custom_op``, whose Python wrapper layers cost ~2.5 us more
 # per call (measured, 576 x 576 weight): a decode step of SmolLM2 makes 121 of these calls.
-_lib = torch.library.Library("minisgl", "DEF")
-_lib.define("packed_linear(Tensor x, Tensor token, int out_features) -> Tensor")
+_lib = torch.library.Library("minisgl", "DEF")  # type: ignore[no-untyped-call]
+_lib.define(  # type: ignore[no-untyped-call]
+    "packed_linear(Tensor x, Tensor token, int out_features) -> Tensor")
 
 
 def _packed_linear(x: torch.Tensor, token: torch.Tensor, out_features: int) -> torch.Tensor:
-    y: torch.Tensor = _linear_pointwise(x, token.onednn_weight, None, "none", [], "")
-    return y
+    packed: torch.Tensor = getattr(token, "onednn_weight")  # noqa: B009 - set dynamically
+    return _onednn_linear(x, packed)
 
 
-_lib.impl("packed_linear", _packed_linear, "CPU")
+_lib.impl("packed_linear", _packed_linear, "CPU")  # type: ignore[no-untyped-call]
 
 
-@torch.library.register_fake("minisgl::packed_linear")
+@torch.library.register_fake("minisgl::packed_linear")  # type: ignore[untyped-decorator]
 def _(x: torch.Tensor, token: torch.Tensor, out_features: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 
