@@ -95,6 +95,42 @@ def test_matches_float64(case: str, kv_heads: int, group: int, head_dim: int) ->
     assert (out[:n].double() - ref[:n]).abs().max().item() <= 2 * err_sdpa + 2e-3
 
 
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (1, 8, 32), (2, 1, 128)])
+def test_decode_over_shared_prefixes_matches_float64(kv_heads: int, group: int,
+                                                     head_dim: int) -> None:
+    """Decode requests whose slot rows start alike (a radix-cached prefix): the kernel runs a
+    group's shared keys once for all its queries, then merges with each request's own keys."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    gen = torch.Generator().manual_seed(1)
+    pool, lk = 16384, 420
+    # (members, shared slots, each member's kv_len): groups of 3 (200 shared), 18 (100, more
+    # members than one item takes), 2 (45), 2 sharing too little (20), and a lone request
+    groups = [(3, 200, [260, 201, 333]), (18, 100, [101 + 7 * i for i in range(18)]),
+              (2, 45, [46, 400]), (2, 20, [64, 30]), (1, 0, [150])]
+    perm = torch.randperm(pool - 1, generator=gen) + 1
+    used, rows, kv_lens = 0, [], []
+    for members, shared, lens in groups:
+        common = perm[used: used + shared]
+        used += shared
+        for n in lens:
+            own = perm[used: used + lk - shared]
+            used += lk - shared
+            rows.append(torch.cat([common, own]))
+            kv_lens.append(n)
+    order = torch.randperm(len(rows), generator=gen)  # group members not next to each other
+    slots = torch.stack(rows)[order].contiguous()
+    kv_lens = [kv_lens[i] for i in order.tolist()]
+    k = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
+    v = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
+    q = (2 * torch.randn(len(rows), kv_heads * group, head_dim, generator=gen)).bfloat16()
+    ones = torch.ones(len(rows), dtype=torch.int64)
+    scale = 1 / math.sqrt(head_dim)
+    out = cpu_kernels.paged_attention(q, k, v, slots, torch.tensor(kv_lens),
+                                      torch.arange(len(rows)), ones, scale)
+    ref = reference(q, k, v, slots, kv_lens, [1] * len(rows), scale)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(("phase", "prefix_lens", "new_lens"), [
     ("prefill", [0, 0, 0], [1, 17, 40]),

@@ -13,6 +13,9 @@
 // a row's 16 scores (no horizontal sums), the softmax is online (running max and sum per row,
 // float32), and P (rounded to bf16) times V uses vdpbf16ps over pairs of keys. Decode batches
 // with fewer items than threads split each request's keys (split-K) and merge the parts.
+// Decode requests whose slot rows begin with the same slots (a prefix the radix cache shares)
+// form groups: one item runs the shared keys for the queries of up to 16 of them, each request
+// runs its own keys after, and the parts merge as in split-K.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -89,6 +92,9 @@ inline void transpose16(__m512i* r) {
 struct Item {
   int64_t b, h, q0, nq, k0, k1;  // request, kv head, first query, queries, key range
   int64_t part;                   // index into the split-K buffer, -1: write the output directly
+  // Decode over a shared prefix: the item's rows are the queries of requests members[m0 ..
+  // m0 + mn) (b is the first), keys [k0, k1) common to all; parts part .. part + mn - 1.
+  int64_t m0 = 0, mn = 0;
 };
 
 // Scores of NR rows against one key block: out[r] lane j = q_r . k_j (float32).
@@ -121,8 +127,8 @@ inline void qk_dispatch(int nr, const int32_t* const* q, const __m512i* kt, int6
 // the first 16 floats are dims {8l + i : l < 4, i < 4} and the next 16 dims {8l + 4 + i}.
 void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
               const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
-              int64_t qrow0, int64_t H, int64_t S, int64_t G, int64_t D, float scale, float* O,
-              float* m, float* l) {
+              int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
+              int64_t S, int64_t G, int64_t D, float scale, float* O, float* m, float* l) {
   const int64_t R = it.nq * G, P = D / 2, Z = D / 16;
   alignas(64) static thread_local __m512i kt[MAXD / 2];
   alignas(64) static thread_local __m512i vp[KB / 2 * MAXD / 16];
@@ -133,8 +139,10 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
   lim.resize(R);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t i = it.q0 + r / G, g = r % G;
-    qrow[r] = reinterpret_cast<const int32_t*>(q + ((qrow0 + i) * H + it.h * G + g) * D);
-    lim[r] = std::min(it.k1, prefix + i + 1);  // keys [k0, lim) are visible to row r
+    const int64_t row = it.mn > 0 ? q_start[members[it.m0 + r / G]] : qrow0 + i;
+    qrow[r] = reinterpret_cast<const int32_t*>(q + (row * H + it.h * G + g) * D);
+    // keys [k0, lim) are visible to row r (all of a shared prefix to a decode query)
+    lim[r] = it.mn > 0 ? it.k1 : std::min(it.k1, prefix + i + 1);
     m[r] = NEG_INF;
     l[r] = 0.f;
   }
@@ -273,9 +281,43 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   int64_t splits = 1;
   if (max_q == 1 && work < 4 * threads)
     splits = std::clamp<int64_t>((4 * threads + work - 1) / work, 1, std::max<int64_t>(1, max_kv / 64));
+  const int64_t* sp = slots.data_ptr<int64_t>();
   std::vector<Item> items;
+  std::vector<int64_t> members;
+  std::vector<int64_t> shared(B, 0);  // keys of request b run in its group's shared items
   int64_t parts = 0;
+  if (max_q == 1) {
+    // Decode requests whose slot rows start alike share a cached prefix: its K/V blocks are
+    // loaded and transposed once for the queries of up to QB requests instead of once each.
+    std::vector<int64_t> order(B);
+    for (int64_t b = 0; b < B; ++b) order[b] = b;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return sp[a * Lk] < sp[b * Lk]; });
+    for (int64_t i = 0, j; i < B; i = j) {
+      const int64_t* first = sp + order[i] * Lk;
+      int64_t common = kl[order[i]];
+      for (j = i + 1; j < B && sp[order[j] * Lk] == first[0]; ++j) {
+        const int64_t* row = sp + order[j] * Lk;
+        const int64_t n = std::min(common, kl[order[j]]);
+        common = std::mismatch(first, first + n, row).first - first;
+      }
+      common = common / KB * KB;
+      if (j - i < 2 || common < 2 * KB) continue;
+      for (int64_t g0 = i; g0 < j; g0 += QB) {
+        const int64_t m0 = static_cast<int64_t>(members.size()), mn = std::min<int64_t>(QB, j - g0);
+        members.insert(members.end(), order.begin() + g0, order.begin() + g0 + mn);
+        for (int64_t h = 0; h < KVH; ++h)
+          for (int64_t k0 = 0; k0 < common; k0 += 16 * KB, parts += mn)
+            items.push_back({order[g0], h, 0, mn, k0, std::min(common, k0 + 16 * KB), parts, m0, mn});
+      }
+      for (int64_t t = i; t < j; ++t) shared[order[t]] = common;
+    }
+  }
   for (int64_t b = 0; b < B; ++b) {
+    if (shared[b] > 0) {  // the request's own keys, merged with its group's parts
+      for (int64_t h = 0; h < KVH; ++h) items.push_back({b, h, 0, 1, shared[b], kl[b], parts++});
+      continue;
+    }
     const int64_t prefix = kl[b] - ql[b];
     for (int64_t h = 0; h < KVH; ++h)
       for (int64_t q0 = 0; q0 < ql[b]; q0 += QB) {
@@ -290,7 +332,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
           items.push_back({b, h, q0, nq, k0, std::min(end, k0 + chunk), parts++});
       }
   }
-  const int64_t* sp = slots.data_ptr<int64_t>();
   if (max_q > 1) {  // longest first, handed out one at a time: causal blocks differ in cost
     std::stable_sort(items.begin(), items.end(),
                      [](const Item& a, const Item& b) { return a.k1 - a.k0 > b.k1 - b.k0; });
@@ -318,12 +359,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       float* Ob = O.data();
       float* mb = m.data();
       float* lb = l.data();
-      if (it.part >= 0) {
+      if (it.part >= 0 && it.mn == 0) {
         mb = part.data() + it.part * stride;
         lb = mb + G;
         Ob = lb + G;
       }
-      run_item(it, qp, kp, vp, sp, Lk, prefix, qs[it.b], H, S, G, D, fscale, Ob, mb, lb);
+      run_item(it, qp, kp, vp, sp, Lk, prefix, qs[it.b], members.data(), qs, H, S, G, D, fscale,
+               Ob, mb, lb);
+      for (int64_t j = 0; j < it.mn; ++j) {  // a shared item's rows to its members' parts
+        float* dst = part.data() + (it.part + j) * stride;
+        std::copy(mb + j * G, mb + (j + 1) * G, dst);
+        std::copy(lb + j * G, lb + (j + 1) * G, dst + G);
+        std::copy(Ob + j * G * D, Ob + (j + 1) * G * D, dst + 2 * G);
+      }
       if (it.part >= 0) continue;
       for (int64_t r = 0; r < it.nq * G; ++r) {
         const int64_t row = qs[it.b] + it.q0 + r / G, head = it.h * G + r % G;
@@ -333,10 +381,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   });
   if (parts > 0) {  // merge the split-K parts of each (request, kv head); decode only
     std::vector<std::vector<int64_t>> of(B * KVH);
-    for (const Item& it : items) of[it.b * KVH + it.h].push_back(it.part);
+    for (const Item& it : items) {
+      if (it.mn > 0) {
+        for (int64_t j = 0; j < it.mn; ++j)
+          of[members[it.m0 + j] * KVH + it.h].push_back(it.part + j);
+      } else if (it.part >= 0) {
+        of[it.b * KVH + it.h].push_back(it.part);
+      }
+    }
     at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> res(D);
       for (int64_t bh = begin; bh < end; ++bh) {
+        if (of[bh].empty()) continue;  // written directly
         const int64_t b = bh / KVH, h = bh % KVH;
         for (int64_t g = 0; g < G; ++g) {
           float mx = NEG_INF, sum = 0.f;
