@@ -110,6 +110,7 @@ def test_decode_over_shared_prefixes_matches_float64(kv_heads: int, group: int,
     perm = torch.randperm(pool - 1, generator=gen) + 1
     used, rows, kv_lens = 0, [], []
     for members, shared, lens in groups:
+        assert len(lens) == members
         common = perm[used: used + shared]
         used += shared
         for n in lens:
