@@ -42,3 +42,24 @@ def test_bad_sampling_value_names_the_field(smollm2_path: str) -> None:
     res = minisgl("generate", "--temperature", "-1", "hi")
     assert res.returncode == 2
     assert "temperature" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_bad_engine_option_names_the_field(smollm2_path: str) -> None:
+    res = minisgl("generate", "--threads", "0", "hi")
+    assert res.returncode == 2
+    assert "threads" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_engine_flags_round_trip_threads() -> None:
+    """A server started by another command (bench, shell) gets the same --threads."""
+    import argparse
+
+    from minisgl.server.cli import add_engine_args, engine_flags, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--threads", "3"])
+    assert engine_kwargs(args)["threads"] == 3
+    again = p.parse_args(engine_flags(args))
+    assert engine_kwargs(again) == engine_kwargs(args)
+    assert engine_kwargs(p.parse_args([]))["threads"] is None
