@@ -123,6 +123,17 @@ inline void qk_dispatch(int nr, const int32_t* const* q, const __m512i* kt, int6
   }
 }
 
+// Prefetch the K and V rows of keys [j0, j1) (their slots in srow); Locality 3: into L1, 1: L2.
+template <int Locality>
+inline void prefetch_rows(const uint16_t* kh, const uint16_t* vh, const int64_t* srow,
+                          int64_t j0, int64_t j1, int64_t D) {
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t off = 0; off < D; off += 32) {
+      __builtin_prefetch(kh + srow[j] * D + off, 0, Locality);
+      __builtin_prefetch(vh + srow[j] * D + off, 0, Locality);
+    }
+}
+
 // One work item. O is float32 [R, D] in the "pair" order of the PV product: within each 32 dims,
 // the first 16 floats are dims {8l + i : l < 4, i < 4} and the next 16 dims {8l + 4 + i}.
 void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
@@ -164,16 +175,8 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     // keys on scattered pages (K/V from DRAM): L1 alone two ahead 5.9 ms, three ahead 6.0,
     // L2 alone 6.3-7.1, both 3.2-3.4 ms per layer (4.1 with the L2 loop first); from cache
     // (16 x 600 keys) unchanged.
-    for (int64_t j = kb + 2 * KB; j < std::min(kb + 3 * KB, it.k1); ++j)
-      for (int64_t off = 0; off < D; off += 32) {
-        __builtin_prefetch(kh + srow[j] * D + off, 0, 3);
-        __builtin_prefetch(vh + srow[j] * D + off, 0, 3);
-      }
-    for (int64_t j = kb + 3 * KB; j < std::min(kb + 4 * KB, it.k1); ++j)
-      for (int64_t off = 0; off < D; off += 32) {
-        __builtin_prefetch(kh + srow[j] * D + off, 0, 1);
-        __builtin_prefetch(vh + srow[j] * D + off, 0, 1);
-      }
+    prefetch_rows<3>(kh, vh, srow, kb + 2 * KB, std::min(kb + 3 * KB, it.k1), D);
+    prefetch_rows<1>(kh, vh, srow, kb + 3 * KB, std::min(kb + 4 * KB, it.k1), D);
     // K block transposed: kt[p] lane j = dims (2p, 2p+1) of key j.
     for (int64_t c = 0; c < D / 32; ++c) {
       __m512i* t = kt + c * 16;
