@@ -1,8 +1,10 @@
-"""The C++ CPU attention kernel (minisgl.backends.cpu_kernels) against a float64 reference.
+"""The C++ CPU kernels (minisgl.backends.cpu_kernels) against float64 references.
 
-Directly (prefill, extend, decode, split-K, GQA ratios, head dims, keys in scattered slots) and
-through the torch backend on a paged pool (run_case), where the backend must pick the kernel; the
-PyTorch path it falls back to is the one test_attention_conformance checks in float32.
+Attention directly (prefill, extend, decode, split-K, GQA ratios, head dims, keys in scattered
+slots) and through the torch backend on a paged pool (run_case), where the backend must pick the
+kernel; the PyTorch path it falls back to is the one test_attention_conformance checks in float32.
+The int8 GEMV directly (rows of x, weight shapes with and without a 4-row tail) and through
+minisgl.core.layers.quant.int8_linear, which must use it once the kernels are loaded.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from minisgl.backends import cpu_kernels
+from minisgl.core.layers import quant
 from minisgl.core.testing.attention import run_case
 
 
@@ -168,3 +171,57 @@ def test_bad_inputs_are_refused() -> None:
         cpu_kernels.paged_attention(q, k, v, slots, torch.full((2,), 9), starts, one, 1.0)
     with pytest.raises(RuntimeError, match="int64"):
         cpu_kernels.paged_attention(q, k, v, slots.int(), lens, starts, one, 1.0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 9])  # more than 4: passes of 4 rows and a rest
+@pytest.mark.parametrize(("n", "k"), [(1, 16), (3, 32), (7, 48), (960, 576), (577, 1536),
+                                      (4099, 64)])
+def test_int8_linear_matches_float64(rows: int, n: int, k: int) -> None:
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    g = torch.Generator().manual_seed(n * 7 + rows)
+    q, s = quant.quantize_rows(torch.randn(n, k, generator=g) / math.sqrt(k))
+    s = s.bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    want = x.double() @ (q.double() * s.double()[:, None]).T
+    got = torch.ops.minisgl_cpu.int8_linear(x, q, s)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # float32 sums, then one rounding to bf16 (relative 2^-9) of each output
+    torch.testing.assert_close(got.double(), want, rtol=2.0 ** -8, atol=1e-5)
+
+
+def test_int8_linear_in_quant_uses_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading the kernels registers the GEMV; quant.int8_linear takes it for up to 4 bf16 rows
+    (K a multiple of 16) and ATen's int8 matmul otherwise."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    gemv, max_rows = quant._int8_gemv or (None, 0)
+    assert gemv is torch.ops.minisgl_cpu.int8_linear.default and max_rows == 4
+    calls: list[int] = []
+
+    def counting(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return gemv(x, w, s)
+
+    monkeypatch.setattr(quant, "_int8_gemv", (counting, max_rows))
+    g = torch.Generator().manual_seed(0)
+    q, s = quant.quantize_rows(torch.randn(40, 64, generator=g))
+    s = s.bfloat16()
+    for rows in (1, 4, 5):
+        x = torch.randn(2, rows, 64, generator=g).bfloat16()[0]  # a view, as in a model
+        assert torch.equal(quant.int8_linear(x, q, s),
+                           gemv(x, q, s) if rows <= 4 else
+                           torch.ops.aten._weight_int8pack_mm(x, q, s))
+    quant.int8_linear(torch.randn(1, 64), q, s.float())  # float32: ATen
+    assert calls == [1, 4]
+
+
+def test_int8_linear_bad_inputs_are_refused() -> None:
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    q = torch.zeros(8, 40, dtype=torch.int8)
+    s = torch.ones(8, dtype=torch.bfloat16)
+    x = torch.zeros(1, 40, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.minisgl_cpu.int8_linear(x, q, s)
+    with pytest.raises(RuntimeError, match="bf16"):
+        torch.ops.minisgl_cpu.int8_linear(x[:, :32].float(), q[:, :32], s)
+    with pytest.raises(RuntimeError, match="shapes"):
+        torch.ops.minisgl_cpu.int8_linear(x[:, :32], q[:, :32], s[:4])

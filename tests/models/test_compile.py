@@ -126,6 +126,37 @@ def test_compiled_prefill_matches_eager(tiny_dirs: dict) -> None:
         assert err_compiled <= 2 * err_eager + 0.02, (err_compiled, err_eager)
 
 
+def test_compiled_int8_decode_matches_eager(tiny_dirs: dict) -> None:
+    """bf16 int8 with the CPU kernels loaded: the batch-1 graph calls the int8 GEMV op, the
+    2-8 graph (a symbolic row count) ATen's int8 matmul; both compile (no guard splits the
+    range) and their logits match eager ones (which use the GEMV up to 4 rows) to within bf16
+    rounding of the steps between (Inductor fuses them in float32)."""
+    from minisgl.backends import cpu_kernels
+
+    if not cpu_kernels.supports(torch.bfloat16, 4, 2, 32):
+        pytest.skip(f"no CPU kernels here: {cpu_kernels.load_error}")
+    path = tiny_dirs["qwen3-tied"]
+    prompts = make_prompts([5, 20, 33], VOCAB, seed=9)
+    results = {}
+    for mode in ("off", "wait"):
+        llm = LLM(str(path), dtype="bfloat16", quantization="int8", compile=mode,
+                  max_running_requests=8, num_pages=64, page_size=4)
+        if mode == "wait":
+            graphs = llm.engine.graphs
+            assert graphs is not None and graphs.ready >= {("decode", 1, 1), ("decode", 2, 8)}, graphs.describe()
+        with record_logits(llm.engine) as rec:
+            llm.generate(prompts[:1], greedy(6))
+            llm.generate(prompts, greedy(6))
+        if mode == "wait":
+            assert graphs.steps[("decode", 1, 1)] == 5 and graphs.steps[("decode", 2, 8)] == 5
+        results[mode] = rec
+        llm.close()
+    assert len(results["off"]) == len(results["wait"]) > 10
+    for (ids0, l0), (ids1, l1) in zip(results["off"], results["wait"]):
+        assert ids0 == ids1
+        torch.testing.assert_close(l1.float(), l0.float(), atol=0.1, rtol=0.05)
+
+
 def test_background_compile_serves_eager_then_compiled(tiny_dirs: dict,
                                                        tmp_path, monkeypatch) -> None:
     """compile='on': requests are answered while the worker compiles (eager), the graph then

@@ -1,9 +1,13 @@
-"""CPU attention kernel in C++ (csrc/cpu_attention.cpp), built on first use.
+"""CPU kernels in C++ (csrc/), built on first use into one library, ``torch.ops.minisgl_cpu``.
 
-One op, ``paged_attention``: prefill, extend and decode over the paged KV pool, read in place,
-for bf16 on CPUs with AVX512-BF16 (vdpbf16ps; Intel since Cooper Lake, AMD since Zen 4).
+- ``paged_attention`` (cpu_attention.cpp): prefill, extend and decode over the paged KV pool,
+  read in place, for bf16 on CPUs with AVX512-BF16 (vdpbf16ps; Intel since Cooper Lake, AMD
+  since Zen 4).
+- ``int8_linear`` (cpu_linear.cpp): weight-only int8 matmul for a few rows (decode); ``load()``
+  registers it with ``minisgl.core.layers.quant.register_int8_gemv``, which then uses it in
+  place of ``aten._weight_int8pack_mm``.
 
-The source is compiled with the machine's compiler (``-O3 -march=native``) through
+The sources are compiled with the machine's compiler (``-O3 -march=native``) through
 ``torch.utils.cpp_extension`` into ``~/.cache/minisgl/ext/<key>``, the key covering the source,
 torch's version and the CPU's instruction-set flags, so a later start loads the built library in
 well under a second. Building needs a C++ compiler and ninja (a dependency of this package);
@@ -25,10 +29,12 @@ from pathlib import Path
 
 import torch
 
+from minisgl.core.layers.quant import register_int8_gemv
+
 log = logging.getLogger(__name__)
 
 NAME = "minisgl_cpu_attention"
-SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_linear.cpp")]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"]
 load_error: str | None = None
 _state: bool | None = None
@@ -44,7 +50,7 @@ def _cache_dir() -> Path:
         except (OSError, StopIteration):
             pass
     key = hashlib.sha256("\n".join(
-        [SOURCE.read_text(), torch.__version__, platform.machine(), flags, *CFLAGS]).encode())
+        [*(source.read_text() for source in SOURCES), torch.__version__, platform.machine(), flags, *CFLAGS]).encode())
     root = Path(os.environ.get("MINISGL_EXT_DIR", Path.home() / ".cache" / "minisgl" / "ext"))
     return root / key.hexdigest()[:16]
 
@@ -82,6 +88,7 @@ def _load() -> bool:
         log.warning("CPU attention kernels unavailable (%s); using the PyTorch path", load_error)
         return False
     _register_fake()
+    register_int8_gemv(torch.ops.minisgl_cpu.int8_linear.default, max_rows=4)
     return True
 
 
@@ -95,7 +102,7 @@ def _build(library: Path) -> None:
         os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), scripts])
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent.parent) as tmp:
-        cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        cpp_extension.load(name=NAME, sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS,
                            build_directory=tmp, is_python_module=False, verbose=False)
         os.replace(Path(tmp) / f"{NAME}.so", library)
 
@@ -104,6 +111,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("minisgl_cpu::paged_attention")
     def _(q, k, v, slots, kv_lens, q_start, q_lens, scale):  # type: ignore[no-untyped-def]
         return q.new_empty(q.shape)
+
+    @torch.library.register_fake("minisgl_cpu::int8_linear")
+    def _(x, w, s):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], w.shape[0])
 
 
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
