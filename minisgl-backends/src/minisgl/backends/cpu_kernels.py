@@ -35,7 +35,11 @@ log = logging.getLogger(__name__)
 
 NAME = "minisgl_cpu_attention"
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_linear.cpp")]
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"]
+# -fopenmp: at::parallel_for is a header template whose threads are an ``omp parallel`` region
+# compiled into this library; without the flag it runs on one thread (links the libgomp.so.1
+# torch has loaded already: same soname, one thread pool)
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 load_error: str | None = None
 _state: bool | None = None
 _lock = threading.Lock()
@@ -103,6 +107,7 @@ def _build(library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent.parent) as tmp:
         cpp_extension.load(name=NAME, sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS,
+                           extra_ldflags=LDFLAGS,
                            build_directory=tmp, is_python_module=False, verbose=False)
         os.replace(Path(tmp) / f"{NAME}.so", library)
 
