@@ -9,6 +9,8 @@ process + cache) and prepacking.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,26 @@ def test_modes() -> None:
     assert resolve_mode("off", CPU, 1) == "off"
     with pytest.raises(ValueError, match="compile"):
         LLM("smollm2", compile="sometimes")
+
+
+def test_cache_dir_is_minisgls_unless_the_user_chose_one(tmp_path, monkeypatch) -> None:
+    """torch pins TORCHINDUCTOR_CACHE_DIR to its temp-dir default when torch._dynamo is
+    imported; the engine's persistent cache must still be ~/.cache/minisgl/inductor."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from minisgl.core import compile as compile_mod
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for pinned in (None, default_cache_dir()):
+        if pinned is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", pinned)
+        compile_mod._use_persistent_cache()
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / ".cache" / "minisgl" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    compile_mod._use_persistent_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 def test_compiled_decode_matches_eager_every_step(tiny_dirs: dict) -> None:

@@ -90,8 +90,12 @@ def buckets_for(max_batch: int) -> list[tuple[int, int]]:
 
 
 def _use_persistent_cache() -> None:
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                          str(Path.home() / ".cache" / "minisgl" / "inductor"))
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # importing torch._dynamo pins the variable to torch's default (a temp dir): that value is
+    # replaced too, only a directory of the user's own choosing is kept
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path.home() / ".cache" / "minisgl" / "inductor")
     import torch._inductor.config as inductor_config
 
     # compile in this process: no pool of worker processes left behind a server's children
