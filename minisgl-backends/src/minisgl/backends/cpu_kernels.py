@@ -7,11 +7,11 @@
   registers it with ``minisgl.core.layers.quant.register_int8_gemv``, which then uses it in
   place of ``aten._weight_int8pack_mm``.
 
-The sources are compiled with the machine's compiler (``-O3 -march=native``) through
+The sources are compiled with the machine's compiler (``-O3 -march=native -fopenmp``) through
 ``torch.utils.cpp_extension`` into ``~/.cache/minisgl/ext/<key>``, the key covering the source,
 torch's version and the CPU's instruction-set flags, so a later start loads the built library in
-well under a second. Building needs a C++ compiler and ninja (a dependency of this package);
-when either is missing or the build fails, ``load()`` returns False with the reason in
+well under a second. Building needs a C++ compiler with OpenMP and ninja (a dependency of this
+package); when either is missing or the build fails, ``load()`` returns False with the reason in
 ``load_error`` and the backends keep their pure-PyTorch path. ``MINISGL_CPU_KERNELS=off`` turns
 the kernels off.
 """
@@ -34,7 +34,8 @@ from minisgl.core.layers.quant import register_int8_gemv
 log = logging.getLogger(__name__)
 
 NAME = "minisgl_cpu_attention"
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_linear.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("cpu_attention.cpp", "cpu_linear.cpp")]
 # -fopenmp: at::parallel_for is a header template whose threads are an ``omp parallel`` region
 # compiled into this library; without the flag it runs on one thread (links the libgomp.so.1
 # torch has loaded already: same soname, one thread pool)
@@ -54,7 +55,8 @@ def _cache_dir() -> Path:
         except (OSError, StopIteration):
             pass
     key = hashlib.sha256("\n".join(
-        [*(source.read_text() for source in SOURCES), torch.__version__, platform.machine(), flags, *CFLAGS]).encode())
+        [*(source.read_text() for source in SOURCES), torch.__version__, platform.machine(), flags,
+         *CFLAGS, *LDFLAGS]).encode())
     root = Path(os.environ.get("MINISGL_EXT_DIR", Path.home() / ".cache" / "minisgl" / "ext"))
     return root / key.hexdigest()[:16]
 
@@ -106,9 +108,9 @@ def _build(library: Path) -> None:
         os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), scripts])
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent.parent) as tmp:
-        cpp_extension.load(name=NAME, sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS,
-                           extra_ldflags=LDFLAGS,
-                           build_directory=tmp, is_python_module=False, verbose=False)
+        cpp_extension.load(name=NAME, sources=[str(source) for source in SOURCES],
+                           extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=tmp,
+                           is_python_module=False, verbose=False)
         os.replace(Path(tmp) / f"{NAME}.so", library)
 
 

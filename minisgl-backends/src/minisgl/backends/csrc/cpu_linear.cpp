@@ -9,8 +9,9 @@
 // walks its share of w in blocks of 4 rows (4 K contiguous bytes), converts 16 int8 weights at a
 // time to float32 in registers and multiplies them with up to 4 rows of x (float32, converted
 // once per call into a per-thread buffer). While it works on one block it prefetches the
-// block 8 ahead, one cache line per step, the pace at which it consumes them: the hardware
-// prefetcher alone left a 28 MB weight at ~16 GB/s, with this ~50 GB/s (2 cores, 49152 x 576).
+// block 8 ahead, one cache line per step, the pace at which it consumes them: on one thread the
+// hardware prefetcher alone streamed a 28 MB weight (49152 x 576) at ~16 GB/s, this at ~50; on
+// 2 threads a decode step's 121 SmolLM2 weights (134 MB) take 2.3 ms (~58 GB/s), ATen's 4.5.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -11,8 +11,8 @@ Each linear weight row (one output feature) is scaled by its largest magnitude /
 to int8; activations stay in the model dtype. On CPU the matmul reads the int8 weights and
 converts them in registers, which halves the bytes a decode step reads compared with bf16: for up
 to a few rows of bf16 a GEMV kernel registered with ``register_int8_gemv`` (minisgl-backends
-registers its ``int8_linear`` when its CPU kernels load: it prefetches the weight and streams it
-~25% faster than ATen, measured on a decode step's 121 weights), otherwise and up to
+registers its ``int8_linear`` when its CPU kernels load: it prefetches the weight and streams a
+decode step's 121 SmolLM2 weights in 2.3 ms against ATen's 4.5, 2 cores), otherwise and up to
 ``INT8_MM_MAX_ROWS`` rows ``aten._weight_int8pack_mm``. Bigger batches and other devices
 dequantize the weight per call (correct, not fast).
 The LM head is quantized too; with tied embeddings the embedding keeps the float weight.
