@@ -33,7 +33,8 @@
 namespace {
 
 constexpr int64_t kMaxRows = 4;        // rows of x per pass over w
-constexpr int64_t kPrefetchBlocks = 8; // how far ahead (in blocks of 4 rows) to prefetch
+constexpr int kBlock = 4;              // rows of w per block (the unit of work and of prefetch)
+constexpr int64_t kPrefetchBlocks = 8; // how far ahead (in blocks) to prefetch
 
 #if MINISGL_LINEAR_FAST
 
@@ -44,13 +45,13 @@ void dot_rows(const float* x, int64_t K, const int8_t* w, const c10::BFloat16* s
   const char* end = reinterpret_cast<const char*>(w + n1 * K);
   for (int64_t n = n0; n < n1; n += R) {
     const int8_t* wn = w + n * K;
-    const char* ahead = reinterpret_cast<const char*>(wn + kPrefetchBlocks * 4 * K);
+    const char* ahead = reinterpret_cast<const char*>(wn + kPrefetchBlocks * kBlock * K);
     __m512 acc[M][R];
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
-      // 4 rows x 16 bytes consumed per step: one 64-byte line of the block 8 ahead
-      if (ahead + 4 * k < end) _mm_prefetch(ahead + 4 * k, _MM_HINT_T0);
+      // a block's 4 rows x 16 bytes consumed per step: one 64-byte line of the block 8 ahead
+      if (ahead + kBlock * k < end) _mm_prefetch(ahead + kBlock * k, _MM_HINT_T0);
       __m512 wf[R];
       for (int r = 0; r < R; ++r)
         wf[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -70,8 +71,8 @@ void dot_rows(const float* x, int64_t K, const int8_t* w, const c10::BFloat16* s
 template <int M>
 void rows_of_x(const float* x, int64_t K, const int8_t* w, const c10::BFloat16* s,
                c10::BFloat16* y, int64_t ldy, int64_t n0, int64_t n1) {
-  int64_t body = n0 + (n1 - n0) / 4 * 4;
-  dot_rows<M, 4>(x, K, w, s, y, ldy, n0, body);
+  int64_t body = n0 + (n1 - n0) / kBlock * kBlock;
+  dot_rows<M, kBlock>(x, K, w, s, y, ldy, n0, body);
   dot_rows<M, 1>(x, K, w, s, y, ldy, body, n1);
 }
 
@@ -99,9 +100,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const int8_t* wp = wc.const_data_ptr<int8_t>();
   const c10::BFloat16* sp = sc.const_data_ptr<c10::BFloat16>();
   c10::BFloat16* yp = y.mutable_data_ptr<c10::BFloat16>();
-  // work in blocks of 4 output rows; grain 16 blocks keeps a 576-row weight on both threads
-  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t b0, int64_t b1) {
-    int64_t n0 = b0 * 4, n1 = std::min(b1 * 4, N);
+  // work in blocks of output rows; grain 16 blocks keeps a 576-row weight on both threads
+  at::parallel_for(0, (N + kBlock - 1) / kBlock, 16, [&](int64_t b0, int64_t b1) {
+    int64_t n0 = b0 * kBlock, n1 = std::min(b1 * kBlock, N);
     thread_local std::vector<float> buffer;
     buffer.resize(kMaxRows * K);
     float* xf = buffer.data();
