@@ -190,11 +190,15 @@ def test_int8_linear_matches_float64(rows: int, n: int, k: int) -> None:
 
 
 def test_int8_linear_in_quant_uses_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Loading the kernels registers the GEMV; quant.int8_linear takes it for up to 4 bf16 rows
-    (K a multiple of 16) and ATen's int8 matmul otherwise."""
+    """Loading the kernels registers the GEMV; quant.int8_linear takes it for up to
+    INT8_GEMV_ROWS (2) bf16 rows (K a multiple of 16) and ATen's int8 matmul otherwise."""
     assert cpu_kernels.load(), cpu_kernels.load_error
     gemv, max_rows = quant._int8_gemv or (None, 0)
-    assert gemv is torch.ops.minisgl_cpu.int8_linear.default and max_rows == 4
+    assert gemv is torch.ops.minisgl_cpu.int8_linear.default
+    assert max_rows == cpu_kernels.INT8_GEMV_ROWS == 2
+    with pytest.raises(ValueError, match="max_rows"):
+        quant.register_int8_gemv(gemv, 0)  # a kernel must say up to how many rows it wins
+    assert quant._int8_gemv == (gemv, max_rows)
     calls: list[int] = []
 
     def counting(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -205,13 +209,13 @@ def test_int8_linear_in_quant_uses_the_kernel(monkeypatch: pytest.MonkeyPatch) -
     g = torch.Generator().manual_seed(0)
     q, s = quant.quantize_rows(torch.randn(40, 64, generator=g))
     s = s.bfloat16()
-    for rows in (1, 4, 5):
+    for rows in (1, 2, 3):
         x = torch.randn(2, rows, 64, generator=g).bfloat16()[0]  # a view, as in a model
         assert torch.equal(quant.int8_linear(x, q, s),
-                           gemv(x, q, s) if rows <= 4 else
+                           gemv(x, q, s) if rows <= 2 else
                            torch.ops.aten._weight_int8pack_mm(x, q, s))
     quant.int8_linear(torch.randn(1, 64), q, s.float())  # float32: ATen
-    assert calls == [1, 4]
+    assert calls == [1, 2]
 
 
 def test_int8_linear_bad_inputs_are_refused() -> None:

@@ -151,7 +151,7 @@ def test_compiled_prefill_matches_eager(tiny_dirs: dict) -> None:
 def test_compiled_int8_decode_matches_eager(tiny_dirs: dict) -> None:
     """bf16 int8 with the CPU kernels loaded: the batch-1 graph calls the int8 GEMV op, the
     2-8 graph (a symbolic row count) ATen's int8 matmul; both compile (no guard splits the
-    range) and their logits match eager ones (which use the GEMV up to 4 rows) to within bf16
+    range) and their logits match eager ones (which use the GEMV up to 2 rows) to within bf16
     rounding of the steps between (Inductor fuses them in float32)."""
     from minisgl.backends import cpu_kernels
 

@@ -36,6 +36,12 @@ log = logging.getLogger(__name__)
 NAME = "minisgl_cpu_attention"
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("cpu_attention.cpp", "cpu_linear.cpp")]
+# Rows up to which quant.int8_linear takes int8_linear instead of ATen's int8 matmul. Measured on
+# a pass over SmolLM2's 121 int8 weights (2 threads, 43 GB/s read): 1 row 3.7-4.0 vs 5.1-5.6 ms,
+# 2 rows 3.7-4.4 vs 4.9-5.1, 3 rows 5.6-5.8 vs 5.6-5.7 (a tie), 4 rows 6.9-7.0 vs 5.6-5.7: each
+# row adds 16 FMAs per 4 weight rows x 16 bytes, so past 2 rows the kernel is bound by arithmetic,
+# not by the weight stream (it computes up to 4 rows per pass, kMaxRows in cpu_linear.cpp).
+INT8_GEMV_ROWS = 2
 # -fopenmp: at::parallel_for is a header template whose threads are an ``omp parallel`` region
 # compiled into this library; without the flag it runs on one thread (links the libgomp.so.1
 # torch has loaded already: same soname, one thread pool)
@@ -94,7 +100,7 @@ def _load() -> bool:
         log.warning("CPU attention kernels unavailable (%s); using the PyTorch path", load_error)
         return False
     _register_fake()
-    register_int8_gemv(torch.ops.minisgl_cpu.int8_linear.default, max_rows=4)
+    register_int8_gemv(torch.ops.minisgl_cpu.int8_linear.default, max_rows=INT8_GEMV_ROWS)
     return True
 
 

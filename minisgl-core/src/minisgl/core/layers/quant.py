@@ -44,11 +44,14 @@ Int8Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 _int8_gemv: tuple[Int8Gemv, int] | None = None
 
 
-def register_int8_gemv(kernel: Int8Gemv | None, max_rows: int = 4) -> None:
+def register_int8_gemv(kernel: Int8Gemv | None, max_rows: int = 0) -> None:
     """Use ``kernel(x [M, K] bf16, qweight [N, K] int8, scales [N] bf16) -> [M, N] bf16`` for CPU
-    int8 matmuls of up to ``max_rows`` rows (K a multiple of 16); None goes back to ATen. A
-    torch op (not a Python function) when compiled graphs are to call it."""
+    int8 matmuls of up to ``max_rows`` rows (K a multiple of 16), the row count up to which it
+    beats ATen; None goes back to ATen. A torch op (not a Python function) when compiled graphs
+    are to call it."""
     global _int8_gemv
+    if kernel is not None and max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1 for a kernel, got {max_rows}")
     _int8_gemv = None if kernel is None else (kernel, max_rows)
 
 
