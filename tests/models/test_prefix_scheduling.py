@@ -206,6 +206,44 @@ def test_greedy_outputs_identical_across_configurations(
         scheduler.close()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("model", MODELS)
+def test_mixed_steps_carry_the_decoding_requests(tiny_dirs: dict[str, Path], attention_backend: str,
+                                                 model: str, overlap: bool) -> None:
+    """mixed_steps: a prefill step also computes one token of every decoding request. Two
+    requests decode while six more arrive and prefill in 7-token chunks: every output is HF's
+    greedy one, every token is computed once (accounting), steps with both prompt chunks and
+    decode rows really ran, and with mixed_steps off none did."""
+    path = tiny_dirs[model]
+    for mixed in (True, False):
+        what = f"{model} overlap {overlap} mixed {mixed}"
+        engine = make_engine(path, attention_backend, page_size=4, num_pages=200,
+                             max_prefill_tokens=7, mixed_steps=mixed, overlap=overlap)
+        scheduler = new_scheduler(engine)
+        steps: list[tuple[int, int]] = []  # per prefill step: (prompt rows, decode rows)
+        prepare = engine.prepare
+
+        def recording(batch: Batch, prepare: Any = prepare, steps: Any = steps) -> Any:
+            if batch.phase == "prefill":  # called at launch, before the rows are counted done
+                decoding = sum(not r.in_prefill for r in batch.reqs)
+                steps.append((len(batch.reqs) - decoding, decoding))
+            return prepare(batch)
+
+        engine.prepare = recording  # type: ignore[method-assign]
+        first = submit(scheduler, PROMPTS[:2], [greedy(14), greedy(14)])
+        for _ in range(MAX_STEPS):
+            if not any(r.in_prefill for r in first):
+                break
+            scheduler.step()
+        later = submit(scheduler, PROMPTS[2:], [greedy(n) for n in MAX_TOKENS[2:]])
+        run_to_completion(scheduler, MAX_STEPS)
+        check_outputs(path, first + later, what)
+        check_accounting(scheduler, first + later, what)
+        assert any(p and d for p, d in steps) == mixed, (what, steps)
+        scheduler.close()
+        assert_all_free(engine, scheduler)
+
+
 # -- 2. shared prefixes are computed once ------------------------------------------------------
 
 
@@ -461,7 +499,7 @@ def workloads(draw: st.DrawFn) -> dict[str, Any]:
                 max_prefill_tokens=draw(st.sampled_from([1, 2, 3, 5, 8, 4096])),
                 schedule_policy=draw(st.sampled_from(["fcfs", "lpm"])),
                 cache=draw(st.sampled_from(["radix", "radix", "naive"])),
-                overlap=draw(st.booleans()))
+                overlap=draw(st.booleans()), mixed_steps=draw(st.booleans()))
 
 
 @settings(max_examples=25, derandomize=True, deadline=None, database=None,
@@ -492,8 +530,9 @@ def test_stats_count_each_prompt_once_despite_retraction_mid_prefill(
     twice (prompt_tokens 24, not 14) and its own re-used chunk counted as cached."""
     path = tiny_dirs[LLAMA]
     a, b = make_prompts([4, 10], VOCAB, seed=110)
+    # separate prefill and decode steps: the interleaving this regression needs
     engine = make_engine(path, attention_backend, page_size=1, num_pages=17,
-                         max_prefill_tokens=4)
+                         max_prefill_tokens=4, mixed_steps=False)
     scheduler = new_scheduler(engine)
     recorder = PrefillRecorder(engine)
     reqs = submit(scheduler, [a, b], [greedy(12), greedy(2)])

@@ -134,6 +134,11 @@ class EngineConfig:
     # Build step N+1 on the host while step N runs (a forward worker thread). None: on for GPUs,
     # off on CPU, where the worker's OpenMP team slows every op of the process (measured 0.6x).
     overlap: bool | None = None
+    # Prefill steps also compute one token of every decoding request (SGLang's mixed chunk), so
+    # a new prompt does not cost the running requests a step of their own. None: on for CPU
+    # (measured: server at 32 clients +3-9%), off elsewhere (not measured on GPUs, where a
+    # decode step of its own runs a cheaper graph).
+    mixed_steps: bool | None = None
     page_size: int = 16
     num_pages: int | None = None  # explicit pool size; overrides kv_cache_memory
     kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers
@@ -175,6 +180,10 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    @property
+    def use_mixed_steps(self) -> bool:
+        return self.mixed_steps if self.mixed_steps is not None else self.torch_device.type == "cpu"
 
     @property
     def use_overlap(self) -> bool:

@@ -58,6 +58,7 @@ class Scheduler:
         # one worker thread runs the forward of step N while this thread builds step N+1
         self._executor = ThreadPoolExecutor(1, "minisgl-forward") if cfg.use_overlap else None
         self._last_was_prefill = False
+        self._decodes_left_out = 0  # decoding requests the last mixed step had no page for
         self._seed_counter = 0
 
     # -- requests in and out -----------------------------------------------------------------
@@ -181,6 +182,9 @@ class Scheduler:
                    >= self.config.page_size for other in batch)
 
     def _schedule_prefill(self) -> Batch | None:
+        # mixed steps: the running requests' next tokens ride along with the prompt chunks (on
+        # top of the prompt-token budget, as they would in a decode step of their own)
+        decodes = [r for r in self.running if self._wants_token(r)] if self.config.use_mixed_steps else []
         budget = self.config.max_prefill_tokens
         reqs: list[Req] = []
         lens: list[int] = []
@@ -207,6 +211,14 @@ class Scheduler:
         if not reqs:
             return None
         sample = [r.num_computed + n == r.prefill_target for r, n in zip(reqs, lens)]
+        self._decodes_left_out = 0
+        for req in decodes:  # one token each, as in a decode step; one that cannot grow waits
+            if self.kv.grow(req, req.num_computed + 1):  # for a decode step (which may retract)
+                reqs.append(req)
+                lens.append(1)
+                sample.append(True)
+            else:
+                self._decodes_left_out += 1
         return Batch("prefill", reqs, lens, sample)
 
     def _wants_token(self, req: Req) -> bool:
@@ -231,7 +243,8 @@ class Scheduler:
 
     def next_batch(self) -> Batch | None:
         # Alternate with decode after a prefill step so a long (chunked) prompt never stalls
-        # running requests for more than one chunk.
+        # running requests for more than one chunk (a mixed step that carried every decoding
+        # request stalled none).
         decode_first = self._last_was_prefill and any(self._wants_token(r) for r in self.running)
         order = (self._schedule_decode, self._schedule_prefill) if decode_first else (
             self._schedule_prefill, self._schedule_decode)
@@ -244,7 +257,8 @@ class Scheduler:
                 self._collected.extend(self.drain())
                 return self.next_batch()
             if batch is not None:
-                self._last_was_prefill = batch.phase == "prefill"
+                self._last_was_prefill = batch.phase == "prefill" and (
+                    not self.config.use_mixed_steps or self._decodes_left_out > 0)
                 return batch
         return None
 
@@ -278,8 +292,9 @@ class Scheduler:
         batch.future_slots = engine.take_future_slots(len(sample_reqs))
         self.stats.computed_tokens += batch.num_tokens
         for req, n in zip(batch.reqs, batch.extend_lens):
+            prefilling = req.in_prefill  # not a decode row of a mixed step
             req.num_computed += n  # K/V for these tokens is being written by this step
-            if batch.phase == "prefill":
+            if prefilling:
                 # Cache the prefix now, so the next step (built while this one runs) can reuse
                 # it: every step that reads these pages runs after this one on the same worker.
                 self.kv.cache_prefix(req)

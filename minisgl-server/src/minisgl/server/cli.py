@@ -27,6 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="build the next step on the host while the current one runs "
                         "(default: on for GPUs, off on CPU)")
+    p.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill steps also compute a token of every decoding request "
+                        "(default: on for CPU, off for GPUs)")
     p.add_argument("--page-size", type=int, default=defaults["page_size"])
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=defaults["kv_cache_memory"],
@@ -51,7 +54,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["dtype", "device", "attention_backend", "sampler", "schedule_policy", "cache",
-            "overlap", "page_size",
+            "overlap", "mixed_steps", "page_size",
             "num_pages", "kv_cache_memory", "max_running_requests", "max_prefill_tokens",
             "max_model_len", "seed", "tp", "threads", "dist_timeout", "quantization"]
     kw = {k: getattr(args, k) for k in keys}
