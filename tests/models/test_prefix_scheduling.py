@@ -244,6 +244,38 @@ def test_mixed_steps_carry_the_decoding_requests(tiny_dirs: dict[str, Path], att
         assert_all_free(engine, scheduler)
 
 
+def test_mixed_steps_keep_within_the_prefill_graphs_rows(tiny_dirs: dict[str, Path],
+                                                          attention_backend: str) -> None:
+    """An engine whose compiled prefill graph covers few sampled rows (int8: up to
+    INT8_MM_MAX_ROWS) gets mixed steps with at most that many; the decoding requests left out
+    take the next step, and outputs stay HF's."""
+    path = tiny_dirs[LLAMA]
+    engine = make_engine(path, attention_backend, page_size=4, num_pages=200,
+                         max_prefill_tokens=7, mixed_steps=True)
+    engine.prefill_graph_rows = 3  # as the int8 graphs' limit, scaled down (eager here)
+    scheduler = new_scheduler(engine)
+    sampled: list[int] = []
+    prepare = engine.prepare
+
+    def recording(batch: Batch) -> Any:
+        if batch.phase == "prefill":
+            sampled.append(sum(batch.sample))
+        return prepare(batch)
+
+    engine.prepare = recording  # type: ignore[method-assign]
+    first = submit(scheduler, PROMPTS[:5], [greedy(14)] * 5)
+    for _ in range(MAX_STEPS):
+        if not any(r.in_prefill for r in first):
+            break
+        scheduler.step()
+    later = submit(scheduler, PROMPTS[5:], [greedy(n) for n in MAX_TOKENS[5:]])
+    run_to_completion(scheduler, MAX_STEPS)
+    check_outputs(path, first + later, "rows cap")
+    assert max(sampled) == 3, sampled  # reached (five requests were decoding), never passed
+    scheduler.close()
+    assert_all_free(engine, scheduler)
+
+
 # -- 2. shared prefixes are computed once ------------------------------------------------------
 
 

@@ -86,6 +86,8 @@ class Engine:
                                   device=self.device)
         self._next_future = 0
         self.graphs: StepGraphs | None = None
+        # sampled rows a compiled prefill graph covers (None: any); more run eager
+        self.prefill_graph_rows: int | None = None
         self.compile_mode = resolve_mode(config.compile, self.device, tp)
         if self.compile_mode != "off":
             dims: dict[str, Callable[..., DynamicDims]] = {"decode": self._decode_dims}
@@ -93,6 +95,7 @@ class Engine:
             if self.backend.prefill_dims(self._dummy_prefill(2)[2]) is not None:
                 dims["prefill"], dummy["prefill"] = self._prefill_dims, self._dummy_prefill
             int8 = config.quantization == "int8"
+            self.prefill_graph_rows = INT8_MM_MAX_ROWS if int8 and "prefill" in dims else None
             self.graphs = StepGraphs(self._forward, dims, dummy, config.max_running_requests,
                                      self._worker_config(), INT8_MM_MAX_ROWS if int8 else None)
             self.graphs.start(wait=self.compile_mode == "wait")
