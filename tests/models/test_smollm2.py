@@ -98,7 +98,12 @@ def test_chat_answer_float32_is_paris_and_matches_hf(llm_fp32: LLM, smollm2_path
 
 
 def test_chat_answer_default_dtype_bf16_is_paris(smollm2_path: str, attention_backend: str) -> None:
-    llm = LLM(model="smollm2", attention_backend=attention_backend, num_pages=64)
+    # Eager steps (compile="off"): this prompt's first token is a bf16 near-tie. Eager logits
+    # are 25.5 "The" / 25.375 "L"; a compiled prefill (Inductor keeps the fused elementwise
+    # steps in float32) rounds both to 25.375 and greedy takes the lower id, "L'Etoile..." (with
+    # the CPU kernel; measured 2026-12-01). Compiled logits are held to float32 references in
+    # test_compile.py instead.
+    llm = LLM(model="smollm2", attention_backend=attention_backend, num_pages=64, compile="off")
     assert llm.engine.dtype == torch.bfloat16  # "auto" on CPU
     out = llm.chat([FRANCE], SamplingParams(max_tokens=20, temperature=0))[0]
     assert "Paris" in out.text, out.text
