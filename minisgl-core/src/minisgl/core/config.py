@@ -136,7 +136,7 @@ class EngineConfig:
     overlap: bool | None = None
     # Prefill steps also compute one token of every decoding request (SGLang's mixed chunk), so
     # a new prompt does not cost the running requests a step of their own. None: on for CPU
-    # (measured: server at 32 clients +3-9%), off elsewhere (not measured on GPUs, where a
+    # (measured: server at 32 clients +2-9%), off elsewhere (not measured on GPUs, where a
     # decode step of its own runs a cheaper graph).
     mixed_steps: bool | None = None
     page_size: int = 16

@@ -58,7 +58,7 @@ class Scheduler:
         # one worker thread runs the forward of step N while this thread builds step N+1
         self._executor = ThreadPoolExecutor(1, "minisgl-forward") if cfg.use_overlap else None
         self._last_was_prefill = False
-        self._decodes_left_out = 0  # decoding requests the last mixed step had no page for
+        self._decodes_left_out = 0  # decoding requests the last mixed step had no page or row for
         self._seed_counter = 0
 
     # -- requests in and out -----------------------------------------------------------------
