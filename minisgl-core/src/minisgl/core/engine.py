@@ -97,7 +97,7 @@ class Engine:
             int8 = config.quantization == "int8"
             self.prefill_graph_rows = INT8_MM_MAX_ROWS if int8 and "prefill" in dims else None
             self.graphs = StepGraphs(self._forward, dims, dummy, config.max_running_requests,
-                                     self._worker_config(), INT8_MM_MAX_ROWS if int8 else None)
+                                     self._worker_config(), self.prefill_graph_rows)
             self.graphs.start(wait=self.compile_mode == "wait")
 
     def _worker_config(self) -> dict[str, Any]:

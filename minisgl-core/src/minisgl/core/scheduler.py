@@ -214,13 +214,15 @@ class Scheduler:
         sample = [r.num_computed + n == r.prefill_target for r, n in zip(reqs, lens)]
         self._decodes_left_out = 0
         rows = self.engine.prefill_graph_rows  # int8 + compile: keep the step on its graph
+        sampled = sum(sample)
         for req in decodes:  # one token each, as in a decode step; one that cannot grow waits
-            if rows is not None and sum(sample) >= rows:
+            if rows is not None and sampled >= rows:
                 self._decodes_left_out += 1
             elif self.kv.grow(req, req.num_computed + 1):  # for a decode step (which may retract)
                 reqs.append(req)
                 lens.append(1)
                 sample.append(True)
+                sampled += 1
             else:
                 self._decodes_left_out += 1
         return Batch("prefill", reqs, lens, sample)
