@@ -206,6 +206,19 @@ def test_greedy_outputs_identical_across_configurations(
         scheduler.close()
 
 
+def arrive_while_decoding(scheduler: Scheduler, n: int) -> list[Req]:
+    """The first ``n`` PROMPTS (14 tokens each) run until all are decoding; then the rest arrive
+    (MAX_TOKENS) and everything runs to completion. Returns the requests in PROMPTS order."""
+    first = submit(scheduler, PROMPTS[:n], [greedy(14)] * n)
+    for _ in range(MAX_STEPS):
+        if not any(r.in_prefill for r in first):
+            break
+        scheduler.step()
+    later = submit(scheduler, PROMPTS[n:], [greedy(m) for m in MAX_TOKENS[n:]])
+    run_to_completion(scheduler, MAX_STEPS)
+    return first + later
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("model", MODELS)
 def test_mixed_steps_carry_the_decoding_requests(tiny_dirs: dict[str, Path], attention_backend: str,
@@ -230,15 +243,9 @@ def test_mixed_steps_carry_the_decoding_requests(tiny_dirs: dict[str, Path], att
             return prepare(batch)
 
         engine.prepare = recording  # type: ignore[method-assign]
-        first = submit(scheduler, PROMPTS[:2], [greedy(14), greedy(14)])
-        for _ in range(MAX_STEPS):
-            if not any(r.in_prefill for r in first):
-                break
-            scheduler.step()
-        later = submit(scheduler, PROMPTS[2:], [greedy(n) for n in MAX_TOKENS[2:]])
-        run_to_completion(scheduler, MAX_STEPS)
-        check_outputs(path, first + later, what)
-        check_accounting(scheduler, first + later, what)
+        reqs = arrive_while_decoding(scheduler, 2)
+        check_outputs(path, reqs, what)
+        check_accounting(scheduler, reqs, what)
         assert any(p and d for p, d in steps) == mixed, (what, steps)
         scheduler.close()
         assert_all_free(engine, scheduler)
@@ -263,14 +270,7 @@ def test_mixed_steps_keep_within_the_prefill_graphs_rows(tiny_dirs: dict[str, Pa
         return prepare(batch)
 
     engine.prepare = recording  # type: ignore[method-assign]
-    first = submit(scheduler, PROMPTS[:5], [greedy(14)] * 5)
-    for _ in range(MAX_STEPS):
-        if not any(r.in_prefill for r in first):
-            break
-        scheduler.step()
-    later = submit(scheduler, PROMPTS[5:], [greedy(n) for n in MAX_TOKENS[5:]])
-    run_to_completion(scheduler, MAX_STEPS)
-    check_outputs(path, first + later, "rows cap")
+    check_outputs(path, arrive_while_decoding(scheduler, 5), "rows cap")
     assert max(sampled) == 3, sampled  # reached (five requests were decoding), never passed
     scheduler.close()
     assert_all_free(engine, scheduler)
