@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from minisgl.core import shm_comm
-from minisgl.core.distributed import connect
+from minisgl.core.distributed import LOCAL, Communicator, bind, connect
 from minisgl.core.tp import free_addr
 
 WORLD = 3
@@ -78,3 +78,65 @@ def test_collectives_across_processes(same_host: bool) -> None:
     assert not failed, "\n".join(failed)
     for _, _, kinds in results:
         assert kinds == ["ShmCommunicator" if same_host else "TorchCommunicator"]
+
+
+# -- collectives inside torch.compile --------------------------------------------------------
+
+
+def _layer(comm: Any, x: torch.Tensor) -> torch.Tensor:
+    """What a row-parallel layer and a vocab-parallel head do: reduce, then gather."""
+    y = comm.all_reduce(x * 2.0) + 1.0
+    return comm.all_gather(y.relu(), dim=-1)
+
+
+def _compiled_rank_main(rank: int, addr: str, out: Any) -> None:
+    try:
+        torch.set_num_threads(1)
+        comm, _ = connect(rank, 2, addr, torch.device("cpu"), 60.0, same_host=True)
+        layer = torch.compile(_layer, fullgraph=True, dynamic=True)  # fullgraph: no graph break
+        for step, rows in enumerate((3, 5, 3)):
+            x = _inputs(rank, step, (rows, 8), torch.float32)
+            xs = [_inputs(r, step, (rows, 8), torch.float32).double() for r in range(2)]
+            want = torch.cat([(sum(2.0 * v for v in xs) + 1.0).relu()] * 2, dim=-1)
+            with bind(comm):
+                got = layer(comm, x)
+            assert torch.allclose(got.double(), want, atol=1e-5), step
+            with bind(LOCAL):  # as while compiling: this rank alone, no other rank waited for
+                alone = layer(comm, x)
+            assert torch.allclose(alone, torch.cat([(2.0 * x + 1.0).relu()] * 2, dim=-1))
+        out.put((rank, "ok"))
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+def test_compiled_collectives_across_processes() -> None:
+    """A compiled function with an all-reduce and an all-gather in its graph, at two ranks:
+    bound to the group it computes the float64 reference; bound to LOCAL each rank runs it
+    alone (the other rank never joins those calls, so a real collective there would hang)."""
+    if not shm_comm.supported():
+        pytest.skip("shared-memory collectives need x86 and /dev/shm")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    addr = free_addr()
+    procs = [ctx.Process(target=_compiled_rank_main, args=(r, addr, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(30)
+    failed = [f"rank {rank}:\n{status}" for rank, status in sorted(results) if status != "ok"]
+    assert not failed, "\n".join(failed)
+
+
+def test_compiled_collectives_need_a_bound_communicator() -> None:
+    x = torch.arange(6.0).view(2, 3)
+    with pytest.raises(RuntimeError, match="no communicator bound"):
+        torch.ops.minisgl.tp_all_reduce(x)
+    with bind(LOCAL):
+        y = torch.ops.minisgl.tp_all_reduce(x)
+        assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()  # a copy, never an alias
+        assert torch.equal(torch.ops.minisgl.tp_all_gather(x, 3, 0), torch.cat([x] * 3))
+    with bind(Communicator(0, 2)), pytest.raises(RuntimeError, match="graph built for 3 ranks"):
+        torch.ops.minisgl.tp_all_gather(x, 3, -1)
+    with pytest.raises(RuntimeError, match="no communicator bound"):  # unbound again on exit
+        torch.ops.minisgl.tp_all_gather(x, 2, -1)

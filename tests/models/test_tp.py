@@ -280,6 +280,66 @@ def test_overlap_scheduling_at_tp2(tiny_dirs: dict[str, Path]) -> None:
         close_cleanly(llm)
 
 
+def test_compiled_steps_at_tp2_match_tp1_and_hf(tiny_dirs: dict[str, Path]) -> None:
+    """compile='wait' at TP=2: each rank compiles its decode graphs alone (collectives act as if
+    alone on the dummy warm-up step), then steps run on the graphs with the real collectives
+    (all-reduces, the LM head's all-gather) as ops in them: HF's greedy tokens, logits within
+    ATOL of TP=1 eager, and both graphs really ran on rank 0."""
+    path = tiny_dirs["qwen3-untied"]  # 6 heads and 2 KV heads: both sharded
+    tp1 = tp_llm(path, 1, compile="off")
+    llm = tp_llm(path, 2, compile="wait", max_running_requests=8)
+    try:
+        graphs = llm.engine.graphs
+        assert graphs is not None and graphs.ready == {("decode", 1, 1), ("decode", 2, 8)}, (
+            graphs.describe())
+        ref_outs, ref_records = generate_recorded(tp1, PROMPTS, greedy(STEPS))
+        outs, records = generate_recorded(llm, PROMPTS, greedy(STEPS))
+        for p, out, ref in zip(PROMPTS, outs, ref_outs):
+            assert out.token_ids == ref.token_ids == hf_greedy(path, p, STEPS)
+        check_logits(path, records, ref_records, "qwen3-untied compiled at TP=2")
+        single = llm.generate(PROMPTS[:1], greedy(8))[0]
+        assert single.token_ids == hf_greedy(path, PROMPTS[0], 8)
+        assert graphs.steps[("decode", 2, 8)] > 0 and graphs.steps[("decode", 1, 1)] >= 7, (
+            graphs.steps)
+        assert_all_free(llm.engine, llm.scheduler)
+    finally:
+        tp1.close()
+        close_cleanly(llm)
+
+
+def test_compiled_prefill_at_tp2_matches_eager(tiny_dirs: dict[str, Path]) -> None:
+    """bf16 on the CPU attention kernel at TP=2: the prefill graphs (symbolic token and row
+    counts around the embedding's all-reduce and the head's all-gather) and the decode graphs
+    run, and their logits are as close to float32 TP=1 as bf16 TP=2 eager ones are."""
+    from minisgl.backends import cpu_kernels
+
+    if not cpu_kernels.supports(torch.bfloat16, 2, 1, 32):
+        pytest.skip(f"no CPU attention kernel here: {cpu_kernels.load_error}")
+    path = tiny_dirs["qwen3-tied"]  # head_dim 32; 4 heads / 2 KV heads: 2 / 1 per rank
+    prompts = [PROMPTS[i] for i in (2, 3, 5)]  # 17, 40, 90 tokens: chunked (24 a step)
+    results = {}
+    for tp, dtype, mode in ((1, "float32", "off"), (2, "bfloat16", "off"), (2, "bfloat16", "wait")):
+        llm = LLM(str(path), dtype=dtype, tp=tp, compile=mode,
+                  max_running_requests=4, num_pages=128, page_size=PAGE_SIZE,
+                  max_prefill_tokens=CHUNK, dist_timeout=60.0)
+        try:
+            with record_logits(llm.engine) as rec:
+                llm.generate(prompts, greedy(4))
+            if mode == "wait":
+                graphs = llm.engine.graphs
+                assert graphs is not None and graphs.steps[("prefill", 2, 4)] > 0, graphs.steps
+                assert graphs.steps[("decode", 1, 1)] > 0, graphs.steps
+        finally:
+            close_cleanly(llm)
+        results[(tp, mode)] = {tuple(seq): row.float() for seq, row in rec}
+    ref, eager, compiled = results.values()
+    assert ref.keys() == eager.keys() == compiled.keys() and len(ref) == 12
+    for seq, want in ref.items():
+        err_eager = float((eager[seq] - want).abs().max())
+        err_compiled = float((compiled[seq] - want).abs().max())
+        assert err_compiled <= 2 * err_eager + 0.02, (len(seq), err_compiled, err_eager)
+
+
 # -- splits that cannot work -------------------------------------------------------------------
 
 

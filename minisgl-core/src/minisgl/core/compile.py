@@ -20,8 +20,8 @@ GIL: on a thread of the serving process it would stall every eager step. So:
   cache; then a background thread of the engine loads them from there (~7 s per bucket). Steps
   run eager until their bucket is ready, and stay eager where compilation failed (logged);
 * ``wait``: compile every bucket in-process before the engine serves (benchmarks, tests);
-* ``off``: never compile. ``auto`` = ``on`` for one CPU rank, ``off`` otherwise (tensor
-  parallelism and GPUs run eager for now);
+* ``off``: never compile. ``auto`` = ``on`` on CPUs (every rank at TP > 1: collectives are
+  ops in the graph, see distributed.py), ``off`` on GPUs (they run eager for now);
 * the cache lives in ``~/.cache/minisgl/inductor`` (``TORCHINDUCTOR_CACHE_DIR`` overrides it):
   a later start with the same model shapes, dtype and flags finds its graphs there.
 """
@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from minisgl.core.distributed import LOCAL, Communicator, bind
+
 log = logging.getLogger("minisgl.compile")
 
 COMPILE_MODES = ("auto", "on", "off", "wait")
@@ -63,12 +65,7 @@ def default_mode() -> str:
     return os.environ.get("MINISGL_COMPILE", "auto")
 
 
-def resolve_mode(mode: str, device: torch.device, tp_size: int) -> str:
-    if tp_size > 1:
-        if mode in ("on", "wait"):
-            log.warning("compile=%s: not supported with tensor parallelism yet; ranks run eager",
-                        mode)
-        return "off"
+def resolve_mode(mode: str, device: torch.device) -> str:
     if mode == "auto":
         return "on" if device.type == "cpu" else "off"
     return mode
@@ -135,9 +132,10 @@ class StepGraphs:
     def __init__(self, fn: Callable[..., torch.Tensor],
                  dims: dict[str, Callable[..., DynamicDims]],
                  dummy: dict[str, Callable[[int], tuple[Any, ...]]], max_batch: int,
-                 worker_config: dict[str, Any] | None = None, max_rows: int | None = None
-                 ) -> None:
+                 worker_config: dict[str, Any] | None = None, max_rows: int | None = None,
+                 comm: Communicator | None = None) -> None:
         _use_persistent_cache()
+        self._comm = comm or Communicator()  # the group the graphs' collectives run on
         # a prefill graph's sampled rows range over 2..max_rows (the int8 LM head switches
         # kernels at INT8_MM_MAX_ROWS rows; a graph covers one side)
         self._max_rows = max_rows or max_batch
@@ -173,8 +171,8 @@ class StepGraphs:
             elif lo != hi:
                 torch._dynamo.mark_dynamic(t, d, min=lo, max=hi)
 
-    def _call(self, args: tuple[Any, ...], key: Key) -> torch.Tensor:
-        with torch.inference_mode():
+    def _call(self, args: tuple[Any, ...], key: Key, comm: Communicator) -> torch.Tensor:
+        with torch.inference_mode(), bind(comm):
             out: torch.Tensor = self._compiled[key](*args)
         return out
 
@@ -184,7 +182,8 @@ class StepGraphs:
             # the marks matter while tracing only: later steps are checked by the shape guards
             args = self._dummy[key[0]](min(max(key[1], 5), key[2]) if key[2] > 1 else 1)
             self._mark(args, key)
-            self._call(args, key)
+            # dummy inputs, at a moment of this rank's choosing: collectives act as if alone
+            self._call(args, key, LOCAL)
         except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager
             self.failed[key] = f"{type(e).__name__}: {e}"
             log.warning("%s graph for batch %s-%s failed to compile; it runs eager: %s",
@@ -250,7 +249,7 @@ class StepGraphs:
             # a shape the graph's guards reject would recompile here, in the serving process,
             # for a minute: refused instead, and that step runs eager
             with torch.compiler.set_stance("fail_on_recompile"):
-                out = self._call(args, key)
+                out = self._call(args, key, self._comm)
             self.steps[key] += 1
             return out
         except RuntimeError as e:

@@ -3,14 +3,25 @@ torch.distributed implementation, and the control channel that keeps the ranks i
 
 Layers take a communicator and call it unconditionally; with one rank every collective is the
 identity, so the same model code runs at TP=1 and TP=N.
+
+Inside torch.compile (compile.py) a process group's Python calls cannot be traced, so there
+``all_reduce`` and ``all_gather`` become the ops ``minisgl::tp_all_reduce`` / ``tp_all_gather``,
+opaque to Inductor. They run on the communicator the calling thread has bound (``bind``; the
+compiled step binds its engine's), so a graph belongs to no particular group: the same cached
+graph serves every engine and rank with the same shapes. While a graph is being compiled (a
+warm-up step on dummy inputs, on one rank, at any time) the thread binds ``LOCAL`` instead: the
+ops then act as if this rank were alone (all_reduce returns its input, all_gather repeats it), so
+the shapes are right and no other rank is waited for. With nothing bound they raise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -18,7 +29,8 @@ import torch.distributed as dist
 
 
 class Communicator:
-    """Collectives over the tensor-parallel group. Subclasses implement them for N > 1 ranks."""
+    """Collectives over the tensor-parallel group. Subclasses implement ``_all_reduce``,
+    ``_all_gather`` and ``broadcast`` for N > 1 ranks."""
 
     def __init__(self, rank: int = 0, world_size: int = 1) -> None:
         self.rank = rank
@@ -26,18 +38,87 @@ class Communicator:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over ranks (in place where possible) and return it."""
-        assert self.world_size == 1, "single-rank communicator used with world_size > 1"
-        return x
+        if self.world_size == 1:
+            return x
+        if torch.compiler.is_compiling():
+            return torch.ops.minisgl.tp_all_reduce(x)  # type: ignore[no-any-return]
+        return self._all_reduce(x)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
-        assert self.world_size == 1, "single-rank communicator used with world_size > 1"
-        return x
+        if self.world_size == 1:
+            return x
+        if torch.compiler.is_compiling():
+            return torch.ops.minisgl.tp_all_gather(x, self.world_size, dim)  # type: ignore[no-any-return]
+        return self._all_gather(x, dim)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Make every rank's ``x`` equal to rank ``src``'s."""
         assert self.world_size == 1, "single-rank communicator used with world_size > 1"
         return x
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} cannot all-reduce over "
+                                  f"{self.world_size} ranks")
+
+    def _all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} cannot all-gather over "
+                                  f"{self.world_size} ranks")
+
+
+# -- collectives inside compiled graphs ----------------------------------------------------------
+
+LOCAL = Communicator()  # bound while compiling: every collective acts as if alone
+_bound = threading.local()
+
+
+@contextlib.contextmanager
+def bind(comm: Communicator) -> Iterator[None]:
+    """Run the compiled collectives of this thread on ``comm`` (``LOCAL``: as if alone)."""
+    previous = getattr(_bound, "comm", None)
+    _bound.comm = comm
+    try:
+        yield
+    finally:
+        _bound.comm = previous
+
+
+def _bound_comm(op: str) -> Communicator:
+    comm: Communicator | None = getattr(_bound, "comm", None)
+    if comm is None:
+        raise RuntimeError(f"minisgl::{op} ran with no communicator bound to this thread "
+                           "(distributed.bind)")
+    return comm
+
+
+@torch.library.custom_op("minisgl::tp_all_reduce", mutates_args=())
+def _tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    comm = _bound_comm("tp_all_reduce")
+    out = x.clone()  # the op's output must not alias its input
+    return out if comm is LOCAL else comm._all_reduce(out)
+
+
+@_tp_all_reduce.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("minisgl::tp_all_gather", mutates_args=())
+def _tp_all_gather(x: torch.Tensor, world_size: int, dim: int) -> torch.Tensor:
+    comm = _bound_comm("tp_all_gather")
+    if comm is LOCAL:
+        return torch.cat([x] * world_size, dim=dim)
+    if comm.world_size != world_size:
+        raise RuntimeError(f"minisgl::tp_all_gather: graph built for {world_size} ranks, "
+                           f"bound communicator has {comm.world_size}")
+    return comm._all_gather(x, dim)
+
+
+@_tp_all_gather.register_fake
+def _(x: torch.Tensor, world_size: int, dim: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] *= world_size
+    return x.new_empty(shape)
 
 
 class TorchCommunicator(Communicator):
@@ -51,11 +132,11 @@ class TorchCommunicator(Communicator):
         super().__init__(rank, world_size)
         self.group = group
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self.group.allreduce([x]).wait()
         return x
 
-    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    def _all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         self.group.allgather([parts], [x]).wait()

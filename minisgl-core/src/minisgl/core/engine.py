@@ -88,7 +88,7 @@ class Engine:
         self.graphs: StepGraphs | None = None
         # sampled rows a compiled prefill graph covers (None: any); more run eager
         self.prefill_graph_rows: int | None = None
-        self.compile_mode = resolve_mode(config.compile, self.device, tp)
+        self.compile_mode = resolve_mode(config.compile, self.device)
         if self.compile_mode != "off":
             dims: dict[str, Callable[..., DynamicDims]] = {"decode": self._decode_dims}
             dummy: dict[str, Callable[[int], tuple[Any, ...]]] = {"decode": self._dummy_decode}
@@ -97,7 +97,7 @@ class Engine:
             int8 = config.quantization == "int8"
             self.prefill_graph_rows = INT8_MM_MAX_ROWS if int8 and "prefill" in dims else None
             self.graphs = StepGraphs(self._forward, dims, dummy, config.max_running_requests,
-                                     self._worker_config(), self.prefill_graph_rows)
+                                     self._worker_config(), self.prefill_graph_rows, self.comm)
             self.graphs.start(wait=self.compile_mode == "wait")
 
     def _worker_config(self) -> dict[str, Any]:

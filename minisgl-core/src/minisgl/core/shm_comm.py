@@ -86,7 +86,7 @@ class ShmCommunicator(Communicator):
                     time.sleep(0) if spins < 20000 else time.sleep(1e-5)
         return slots[:, :nbytes].view(x.dtype).view(self.world_size, *x.shape)
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         parts = self._exchange(x)
         if parts is None:
             return self.fallback.all_reduce(x)
@@ -96,7 +96,7 @@ class ShmCommunicator(Communicator):
         x.copy_(out)
         return x
 
-    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    def _all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         parts = self._exchange(x)
         if parts is None:
             return self.fallback.all_gather(x, dim)

@@ -36,18 +36,39 @@ def _status_mib(pid: int, key: str) -> float:
     return float("nan")
 
 
-def child(model: str, tp: int, dtype: str, threads: int | None) -> dict[str, Any]:
-    """Runs in a fresh process: load at ``tp`` ranks, warm up, measure."""
+def weight_bytes(model: Any) -> int:
+    """Bytes of the weights a rank holds: parameters plus the converted copies the linear layers
+    compute with (oneDNN-packed bf16, int8 + scales), which are not parameters."""
+    tensors = list(model.parameters())
+    for m in model.modules():
+        tensors += [t for name in ("packed", "qweight", "qscale")
+                    if (t := getattr(m, name, None)) is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def child(model: str, tp: int, dtype: str, threads: int | None, compile_mode: str
+          ) -> dict[str, Any]:
+    """Runs in a fresh process: load at ``tp`` ranks (graphs compiled before timing, where
+    compilation is on), warm up, measure."""
     import torch
 
     from minisgl.core import LLM, SamplingParams
+    from minisgl.core.compile import resolve_mode
 
     if threads:
         torch.set_num_threads(threads)
+    if resolve_mode(compile_mode, torch.device("cpu")) == "on":
+        compile_mode = "wait"
     t0 = time.perf_counter()
-    # a small KV pool: the pool is sized per rank and would otherwise dominate peak memory
-    llm = LLM(model=model, dtype=dtype, tp=tp, kv_cache_memory=32 << 20)
+    # The KV pool holds the same tokens at every TP size, all of the 16 x (64 + 64) batch below
+    # (sized in bytes, 32 MiB held 3 of those requests at TP=1 and 6 at TP=2, which made TP=2
+    # look faster); its bytes per rank shrink with TP like the weights'. 16 running requests at
+    # most (that batch): fewer graphs to compile.
+    page = 16
+    llm = LLM(model=model, dtype=dtype, tp=tp, page_size=page, num_pages=16 * 128 // page + 16,
+              compile=compile_mode, max_running_requests=16)
     load_s = time.perf_counter() - t0
+    graphs = llm.engine.graphs.describe() if llm.engine.graphs is not None else "eager"
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
 
@@ -58,7 +79,7 @@ def child(model: str, tp: int, dtype: str, threads: int | None) -> dict[str, Any
         return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
     llm.generate([prompt(32), prompt(48)], params(8))  # warm-up
-    weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    weights = weight_bytes(llm.engine.model)
     pids = [os.getpid()] + [p.pid for p in llm._workers]
     rss = [_status_mib(pid, "VmHWM") for pid in pids]
     anon = [_status_mib(pid, "RssAnon") for pid in pids]
@@ -76,19 +97,20 @@ def child(model: str, tp: int, dtype: str, threads: int | None) -> dict[str, Any
     outs = llm.generate(batch, params(64))
     batch_tok_s = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
     llm.close()
-    return {"tp": tp, "load_s": load_s, "weights_mib_per_rank": weights / 2**20,
+    return {"tp": tp, "load_s": load_s, "graphs": graphs, "weights_mib_per_rank": weights / 2**20,
             "peak_rss_mib": rss, "anon_rss_mib": anon, "decode_ms": decode_ms, "batch16_tok_s": batch_tok_s}
 
 
 def bench_tp(args: Any) -> list[Row]:
     from minisgl.core.bundled import resolve_model
+    from minisgl.core.compile import default_mode
 
     model = resolve_model(args.model)
     results = {}
     for tp in sorted({1, args.tp}):
         log(f"tp: measuring tp={tp} in a fresh process")
         cmd = [sys.executable, "-m", "minisgl.server.bench_tp", "--child", "--model", model,
-               "--tp", str(tp), "--dtype", args.dtype]
+               "--tp", str(tp), "--dtype", args.dtype, "--compile", args.compile or default_mode()]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -141,11 +163,12 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--compile", default="auto")
     a = p.parse_args()
     if a.make_random:
         make_random(a.make_random)
     elif a.child:
-        print(json.dumps(child(a.model, a.tp, a.dtype, a.threads)), flush=True)
+        print(json.dumps(child(a.model, a.tp, a.dtype, a.threads, a.compile)), flush=True)
 
 
 if __name__ == "__main__":
