@@ -7,8 +7,8 @@ identity, so the same model code runs at TP=1 and TP=N.
 Inside torch.compile (compile.py) a process group's Python calls cannot be traced, so there
 ``all_reduce`` and ``all_gather`` become the ops ``minisgl::tp_all_reduce`` / ``tp_all_gather``,
 opaque to Inductor. They run on the communicator the calling thread has bound (``bind``; the
-compiled step binds its engine's), so a graph belongs to no particular group: the same cached
-graph serves every engine and rank with the same shapes. While a graph is being compiled (a
+compiled step binds its engine's), so a graph belongs to no particular group and a cached graph
+serves any engine with the same rank and shapes. While a graph is being compiled (a
 warm-up step on dummy inputs, on one rank, at any time) the thread binds ``LOCAL`` instead: the
 ops then act as if this rank were alone (all_reduce returns its input, all_gather repeats it), so
 the shapes are right and no other rank is waited for. With nothing bound they raise.
