@@ -4,11 +4,13 @@ Each client streams offline-mixed requests (token-id prompts, greedy, ignore_eos
 native /generate route, whose events carry token ids, so every token's arrival is timed exactly.
 Metrics (as in SGLang's and vLLM's serving benchmarks): request throughput, output tokens/s,
 TTFT, TPOT (decode time per token after the first), ITL (gap between token-bearing events) and
-end-to-end latency, p50 and p99. The offline engine runs the c=32 request set in this process
-first, twice: as configured (up to ``max_running_requests``, 64 by default, at once) and capped at
-32 running requests, the concurrency the clients allow the server. Server throughput over the
-first is the target's ratio; over the second it isolates the serving overhead (HTTP, ZMQ,
-detokenizing, streaming) from the smaller batches 32 clients make.
+end-to-end latency, p50 and p99. Right before the server gets the c=32 request set, the offline
+engine runs it in this process, twice: as configured (up to ``max_running_requests``, 64 by
+default, at once) and capped at 32 running requests, the concurrency the clients allow the
+server. Server throughput over the first is the target's ratio; over the second it isolates the
+serving overhead (HTTP, ZMQ, detokenizing, streaming) from the smaller batches 32 clients make.
+With ``--repeats N`` that triple runs N times on fresh prompts (this machine's throughput moves
++-8% between runs) and the rows are medians.
 
 Each concurrency level gets its own prompts (a fresh seed), so the server's prefix cache never
 turns one level's prompts into cache hits for the next.
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,39 +106,56 @@ def summarize(traces: list[_Trace], wall: float) -> dict[str, float]:
     return out
 
 
-def _offline_capped(args: Any, wl: Workload, running: int) -> float | None:
-    """Offline tok/s of ``wl`` with at most ``running`` requests at once (a second engine in this
-    process, closed after); None when the configured engine is not larger than that."""
+def _capped_engine(args: Any, running: int) -> Any:
+    """A second offline engine in this process, at most ``running`` requests at once; None
+    when the configured engine is not larger than that."""
     from minisgl.core import LLM
     from minisgl.server.bench import MinisglSystem
 
     kw = bench_engine_kwargs(args)
     if kw["max_running_requests"] <= running:
         return None
-    log(f"online: offline engine again with max_running_requests={running}")
-    llm = LLM(model=args.model, **dict(kw, max_running_requests=running))
-    try:
-        tokens, secs = MinisglSystem(llm).run_offline(wl)
-    finally:
-        llm.close()
-    log(f"online: offline (max {running} running) {tokens} tokens in {secs:.2f} s = "
-        f"{tokens / secs:.1f} tok/s")
-    return tokens / secs
+    log(f"online: loading an offline engine with max_running_requests={running}")
+    return MinisglSystem(LLM(model=args.model, **dict(kw, max_running_requests=running)),
+                         f"minisgl-offline-max{running}")
+
+
+def _fresh_prompts(wl: Workload, ids: list[int], seed: int) -> Workload:
+    """The same lengths with other tokens: a repeat must not hit the prefix caches."""
+    rng = random.Random(seed)
+    return Workload(wl.name, [[ids[rng.randrange(len(ids))] for _ in p] for p in wl.prompts],
+                    list(wl.output_lens))
+
+
+def _server_rows(c: int, m: dict[str, float], runs: list[dict[str, float]] | None = None
+                 ) -> list[Row]:
+    rows = []
+    for key, value in m.items():
+        if key in ("requests", "output_tokens", "seconds"):
+            continue
+        details: dict[str, Any] = {k: m[k] for k in ("requests", "output_tokens", "seconds")}
+        if runs is not None:
+            details["runs"] = [r[key] for r in runs]
+        rows.append(Row("online", "minisgl-server", f"c={c} {key}", value,
+                        key in ("req/s", "output tok/s"), details=details))
+    return rows
 
 
 def bench_online(args: Any, system: Any, ids: list[int]) -> list[Row]:
-    """``system`` is the in-process minisgl (MinisglSystem) for the offline reference."""
+    """``system`` is the in-process minisgl (MinisglSystem) for the offline reference.
+
+    The lower concurrency levels run once. The top level runs ``--repeats`` times (default 1),
+    each time with fresh prompts of the same lengths, the offline engine, the capped one and
+    the server back to back so that they share the machine's noise; its rows are medians (the
+    ratios: medians of each repeat's ratio), every run's value in ``details``."""
     from minisgl.server.cli import engine_flags
     from minisgl.server.shell import start_server
 
     levels = [int(c) for c in str(args.concurrency).split(",")]
     top = max(levels)
+    repeats = args.repeats or 1
     wl_top = offline_mixed(ids, args.num_requests, args.scale, args.data_seed)
-    log(f"online: offline engine on the c={top} request set ({len(wl_top.prompts)} requests)")
-    tokens, secs = system.run_offline(wl_top)
-    offline_tok_s = tokens / secs
-    log(f"online: offline {tokens} tokens in {secs:.2f} s = {offline_tok_s:.1f} tok/s")
-    capped_tok_s = _offline_capped(args, wl_top, top)
+    capped = _capped_engine(args, top)
     proc, url = None, args.url
     if url is None:
         log("online: starting the server")
@@ -145,34 +166,56 @@ def bench_online(args: Any, system: Any, ids: list[int]) -> list[Row]:
         asyncio.run(_run_clients(url, warm, 2))
         for c in levels:
             if c == top:
-                wl = wl_top
-            else:  # fewer requests at low concurrency: each level takes similar time
-                full = offline_mixed(ids, args.num_requests, args.scale, args.data_seed + 1 + c)
-                n = min(len(full.prompts), max(8, 2 * c))
-                wl = Workload(full.name, full.prompts[:n], full.output_lens[:n])
+                continue
+            # fewer requests at low concurrency: each level takes similar time
+            full = offline_mixed(ids, args.num_requests, args.scale, args.data_seed + 1 + c)
+            n = min(len(full.prompts), max(8, 2 * c))
+            wl = Workload(full.name, full.prompts[:n], full.output_lens[:n])
             log(f"online: {c} concurrent clients, {len(wl.prompts)} requests")
-            traces, wall = asyncio.run(_run_clients(url, wl, c))
-            m = summarize(traces, wall)
+            m = summarize(*asyncio.run(_run_clients(url, wl, c)))
             log(f"online: c={c}: {m['output tok/s']:.1f} tok/s, TTFT p50 {m['TTFT p50 ms']:.0f} ms, "
                 f"TPOT p50 {m.get('TPOT p50 ms', 0):.1f} ms")
-            for key, value in m.items():
-                if key in ("requests", "output_tokens", "seconds"):
-                    continue
-                higher = key in ("req/s", "output tok/s")
-                rows.append(Row("online", "minisgl-server", f"c={c} {key}", value, higher,
-                                details={k: m[k] for k in ("requests", "output_tokens", "seconds")}))
-            if c == top:
-                rows.append(Row("online", "minisgl-offline", f"c={c} output tok/s", offline_tok_s,
-                                True, details={"tokens": tokens, "seconds": secs}))
-                rows.append(Row("online", "server/offline", f"c={c} throughput ratio",
-                                m["output tok/s"] / offline_tok_s, True))
-                if capped_tok_s is not None:
-                    rows.append(Row("online", f"minisgl-offline-max{c}", f"c={c} output tok/s",
-                                    capped_tok_s, True))
-                    rows.append(Row("online", f"server/offline-max{c}", f"c={c} throughput ratio",
-                                    m["output tok/s"] / capped_tok_s, True))
+            rows += _server_rows(c, m)
+        runs: list[dict[str, float]] = []
+        offline: list[tuple[int, float]] = []
+        capped_runs: list[tuple[int, float]] = []
+        for r in range(repeats):
+            wl = wl_top if r == 0 else _fresh_prompts(wl_top, ids, args.data_seed + 7919 * r)
+            tag = f" (repeat {r + 1}/{repeats})" if repeats > 1 else ""
+            log(f"online: offline engine on the c={top} request set ({len(wl.prompts)} "
+                f"requests){tag}")
+            offline.append(system.run_offline(wl))
+            log(f"online: offline {offline[-1][0]} tokens in {offline[-1][1]:.2f} s = "
+                f"{offline[-1][0] / offline[-1][1]:.1f} tok/s")
+            if capped is not None:
+                capped_runs.append(capped.run_offline(wl))
+                log(f"online: offline (max {top} running) {capped_runs[-1][0] / capped_runs[-1][1]:.1f} tok/s")
+            log(f"online: {top} concurrent clients, {len(wl.prompts)} requests{tag}")
+            runs.append(summarize(*asyncio.run(_run_clients(url, wl, top))))
+            log(f"online: c={top}: {runs[-1]['output tok/s']:.1f} tok/s, TTFT p50 "
+                f"{runs[-1]['TTFT p50 ms']:.0f} ms, TPOT p50 {runs[-1].get('TPOT p50 ms', 0):.1f} ms")
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        rows += _server_rows(top, med, runs if repeats > 1 else None)
+        rows += _ratio_rows(top, "minisgl-offline", "server/offline", offline, runs)
+        if capped_runs:
+            rows += _ratio_rows(top, f"minisgl-offline-max{top}", f"server/offline-max{top}",
+                                capped_runs, runs)
     finally:
+        if capped is not None:
+            capped.llm.close()
         if proc is not None:
             proc.terminate()
             proc.wait(30)
     return rows
+
+
+def _ratio_rows(c: int, name: str, ratio_name: str, offline: list[tuple[int, float]],
+                runs: list[dict[str, float]]) -> list[Row]:
+    tok_s = [n / secs for n, secs in offline]
+    ratios = [r["output tok/s"] / t for r, t in zip(runs, tok_s)]
+    many = len(offline) > 1
+    return [Row("online", name, f"c={c} output tok/s", statistics.median(tok_s), True,
+                details={"runs": tok_s} if many else {"tokens": offline[0][0],
+                                                       "seconds": offline[0][1]}),
+            Row("online", ratio_name, f"c={c} throughput ratio", statistics.median(ratios), True,
+                details={"runs": ratios} if many else {})]
