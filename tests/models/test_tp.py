@@ -307,29 +307,6 @@ def test_compiled_steps_at_tp2_match_tp1_and_hf(tiny_dirs: dict[str, Path]) -> N
         close_cleanly(llm)
 
 
-def test_background_compile_at_tp2(tiny_dirs: dict[str, Path], tmp_path: Path,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """compile='on' (what auto means on CPUs) at TP=2: each rank starts its own compile worker
-    (which has no group to talk to: its warm-up runs the collectives as if alone); requests are
-    answered meanwhile, then rank 0 runs its graphs from the workers' cache with the answers
-    unchanged."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # ranks inherit it
-    path = tiny_dirs["llama-gqa-untied-llama3"]
-    llm = tp_llm(path, 2, compile="on", max_running_requests=1)
-    try:
-        graphs = llm.engine.graphs
-        assert graphs is not None
-        want = hf_greedy(path, PROMPTS[3], 16)
-        assert llm.generate(PROMPTS[3:4], greedy(16))[0].token_ids == want  # likely still eager
-        graphs.join(timeout=600)
-        assert graphs.ready == {("decode", 1, 1)}, graphs.describe()
-        before = graphs.steps[("decode", 1, 1)]
-        assert llm.generate(PROMPTS[3:4], greedy(16))[0].token_ids == want
-        assert graphs.steps[("decode", 1, 1)] >= before + 15
-    finally:
-        close_cleanly(llm)
-
-
 def test_compiled_prefill_at_tp2_matches_eager(tiny_dirs: dict[str, Path]) -> None:
     """bf16 on the CPU attention kernel at TP=2: the prefill graphs (symbolic token and row
     counts around the embedding's all-reduce and the head's all-gather) and the decode graphs

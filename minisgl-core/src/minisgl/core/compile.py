@@ -20,8 +20,10 @@ GIL: on a thread of the serving process it would stall every eager step. So:
   cache; then a background thread of the engine loads them from there (~7 s per bucket). Steps
   run eager until their bucket is ready, and stay eager where compilation failed (logged);
 * ``wait``: compile every bucket in-process before the engine serves (benchmarks, tests);
-* ``off``: never compile. ``auto`` = ``on`` on CPUs (every rank at TP > 1: collectives are
-  ops in the graph, see distributed.py), ``off`` on GPUs (they run eager for now);
+* ``off``: never compile. ``auto`` = ``on`` for one CPU rank, ``off`` otherwise. Tensor
+  parallelism compiles with ``wait`` (``on`` becomes ``wait`` there: collectives are ops in the
+  graph, see distributed.py, and a background compile session would flip
+  ``torch.compiler.is_compiling()`` for the rank's eager steps too); GPUs run eager for now;
 * the cache lives in ``~/.cache/minisgl/inductor`` (``TORCHINDUCTOR_CACHE_DIR`` overrides it):
   a later start with the same model shapes, dtype and flags finds its graphs there.
 """
@@ -65,9 +67,16 @@ def default_mode() -> str:
     return os.environ.get("MINISGL_COMPILE", "auto")
 
 
-def resolve_mode(mode: str, device: torch.device) -> str:
+def resolve_mode(mode: str, device: torch.device, tp_size: int = 1) -> str:
     if mode == "auto":
-        return "on" if device.type == "cpu" else "off"
+        return "on" if device.type == "cpu" and tp_size == 1 else "off"
+    if mode == "on" and tp_size > 1:
+        # torch.compiler.is_compiling() is process-wide during a compile session: a rank
+        # compiling in the background would send its eager steps' collectives down the graph
+        # path (distributed.py); seen as a hang between ranks. Compile before serving instead.
+        log.warning("compile=on: background compilation is not supported with tensor "
+                    "parallelism yet; every rank compiles before serving (wait)")
+        return "wait"
     return mode
 
 

@@ -49,7 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", default=None, choices=COMPILE_MODES,
                    help="torch.compile of the decode step: on = in the background, eager until "
                         "ready; wait = before serving; auto (default, $MINISGL_COMPILE "
-                        "overrides) = on for CPUs (every TP rank), off for GPUs")
+                        "overrides) = on for one CPU rank, else off; at --tp > 1 on = wait")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
