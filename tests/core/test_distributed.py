@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import time
 import traceback
 from typing import Any
 
@@ -78,6 +79,49 @@ def test_collectives_across_processes(same_host: bool) -> None:
     assert not failed, "\n".join(failed)
     for _, _, kinds in results:
         assert kinds == ["ShmCommunicator" if same_host else "TorchCommunicator"]
+
+
+def _skipping_rank_main(rank: int, addr: str, same_host: bool, out: Any) -> None:
+    try:
+        torch.set_num_threads(1)
+        comm, channel = connect(rank, 2, addr, torch.device("cpu"), 3.0, same_host=same_host)
+        comm.all_reduce(torch.ones(4))  # both ranks: fine
+        if rank == 0:
+            start = time.monotonic()
+            try:
+                comm.all_reduce(torch.ones(4))  # rank 1 never comes
+            except RuntimeError as e:
+                out.put((rank, "raised", str(e), time.monotonic() - start))
+            else:
+                out.put((rank, "returned", "", time.monotonic() - start))
+        channel.send(["done"]) if rank == 0 else channel.recv()  # rank 1 waits here meanwhile
+        out.put((rank, "ok", "", 0.0)) if rank else None
+    except BaseException:
+        out.put((rank, traceback.format_exc(), "", 0.0))
+
+
+@pytest.mark.parametrize("same_host", [False, True], ids=["gloo", "shared-memory"])
+def test_collective_a_rank_skips_fails_within_the_timeout(same_host: bool) -> None:
+    """A rank that raised mid-step never reaches the step's next collective: the others get a
+    RuntimeError after the group's timeout (3 s here), not a wait without end."""
+    if same_host and not shm_comm.supported():
+        pytest.skip("shared-memory collectives need x86 and /dev/shm")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    addr = free_addr()
+    procs = [ctx.Process(target=_skipping_rank_main, args=(r, addr, same_host, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    (_, status0, msg, waited), (_, status1, _, _) = results
+    assert status0 == "raised", status0
+    assert status1 == "ok", status1
+    assert 2.5 < waited < 30, waited
+    if same_host:
+        assert "rank 1 did not reach collective 2 within 3 s" in msg, msg
 
 
 # -- collectives inside torch.compile --------------------------------------------------------

@@ -37,9 +37,8 @@ def test_buckets_cover_every_batch_size_once() -> None:
 def test_modes() -> None:
     assert resolve_mode("auto", CPU) == "on"
     assert resolve_mode("auto", torch.device("cuda")) == "off"
-    assert resolve_mode("auto", CPU, 2) == "off"  # TP compiles only when asked
-    assert resolve_mode("on", CPU, 2) == "wait"  # never in the background at TP (warned)
-    assert resolve_mode("wait", CPU, 2) == "wait"
+    assert resolve_mode("on", CPU) == "on"
+    assert resolve_mode("wait", CPU) == "wait"
     assert resolve_mode("off", CPU) == "off"
     with pytest.raises(ValueError, match="compile"):
         LLM("smollm2", compile="sometimes")

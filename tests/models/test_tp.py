@@ -307,6 +307,53 @@ def test_compiled_steps_at_tp2_match_tp1_and_hf(tiny_dirs: dict[str, Path]) -> N
         close_cleanly(llm)
 
 
+def test_eager_steps_while_compiling_elsewhere_in_the_process(
+        tiny_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """While any thread of a process compiles, torch.compiler.is_compiling() reads True in all
+    of them, so a rank's eager steps send their collectives down the graph path (the custom ops
+    on the bound communicator). Held True on rank 0 for whole requests, eager steps at TP=2
+    still all-reduce with rank 1 and give HF's tokens (unbound, the op raised and rank 1 was left
+    waiting: the hang seen with background compilation)."""
+    path = tiny_dirs["llama-gqa-untied-llama3"]
+    llm = tp_llm(path, 2, compile="off")
+    try:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        outs = llm.generate(PROMPTS[:4], greedy(12))
+        monkeypatch.undo()
+        for p, out in zip(PROMPTS[:4], outs):
+            assert out.token_ids == hf_greedy(path, p, 12)
+        assert_all_free(llm.engine, llm.scheduler)
+    finally:
+        monkeypatch.undo()
+        close_cleanly(llm)
+
+
+def test_background_compile_at_tp2(tiny_dirs: dict[str, Path], tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile='on' (what auto means on CPUs) at TP=2: each rank starts its own compile worker
+    (which has no group to talk to: its warm-up runs the collectives as if alone), answers
+    requests eager meanwhile, then loads its graphs from the worker's cache in a background
+    thread while steps go on; the answers stay HF's before, during and after the switch."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # ranks inherit it
+    path = tiny_dirs["llama-gqa-untied-llama3"]
+    llm = tp_llm(path, 2, compile="on", max_running_requests=1)
+    try:
+        graphs = llm.engine.graphs
+        assert graphs is not None
+        want = hf_greedy(path, PROMPTS[3], 16)
+        # requests keep coming while the ranks compile and switch, each on its own clock
+        while graphs._thread is not None and graphs._thread.is_alive():
+            assert llm.generate(PROMPTS[3:4], greedy(16))[0].token_ids == want
+        graphs.join()
+        assert graphs.ready == {("decode", 1, 1)}, graphs.describe()
+        before = graphs.steps[("decode", 1, 1)]
+        assert llm.generate(PROMPTS[3:4], greedy(16))[0].token_ids == want
+        assert graphs.steps[("decode", 1, 1)] >= before + 15
+        assert_all_free(llm.engine, llm.scheduler)
+    finally:
+        close_cleanly(llm)
+
+
 def test_compiled_prefill_at_tp2_matches_eager(tiny_dirs: dict[str, Path]) -> None:
     """bf16 on the CPU attention kernel at TP=2: the prefill graphs (symbolic token and row
     counts around the embedding's all-reduce and the head's all-gather) and the decode graphs

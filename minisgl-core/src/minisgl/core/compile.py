@@ -67,16 +67,9 @@ def default_mode() -> str:
     return os.environ.get("MINISGL_COMPILE", "auto")
 
 
-def resolve_mode(mode: str, device: torch.device, tp_size: int = 1) -> str:
+def resolve_mode(mode: str, device: torch.device) -> str:
     if mode == "auto":
-        return "on" if device.type == "cpu" and tp_size == 1 else "off"
-    if mode == "on" and tp_size > 1:
-        # torch.compiler.is_compiling() is process-wide during a compile session: a rank
-        # compiling in the background would send its eager steps' collectives down the graph
-        # path (distributed.py); seen as a hang between ranks. Compile before serving instead.
-        log.warning("compile=on: background compilation is not supported with tensor "
-                    "parallelism yet; every rank compiles before serving (wait)")
-        return "wait"
+        return "on" if device.type == "cpu" else "off"
     return mode
 
 

@@ -230,7 +230,7 @@ def connect(rank: int, world_size: int, addr: str, device: torch.device, timeout
         from minisgl.core import shm_comm
 
         if shm_comm.supported():
-            comm = shm_comm.ShmCommunicator.connect(comm, shm_comm.shm_tag(addr))
+            comm = shm_comm.ShmCommunicator.connect(comm, shm_comm.shm_tag(addr), timeout_s)
     return comm, ControlChannel(control, rank)
 
 

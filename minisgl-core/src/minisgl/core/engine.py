@@ -13,7 +13,7 @@ import torch
 from minisgl.core.attention import AttentionBackend, BatchLayout, ForwardContext
 from minisgl.core.compile import DUMMY_KV_LEN, DynamicDims, StepGraphs, resolve_mode
 from minisgl.core.config import EngineConfig, ModelConfig, resolve_dtype
-from minisgl.core.distributed import Communicator
+from minisgl.core.distributed import Communicator, bind
 from minisgl.core.kvcache import KVPool, PageAllocator, ReqToTokenTable
 from minisgl.core.layers.quant import INT8_MM_MAX_ROWS, prepack_model, quantize_model_int8
 from minisgl.core.model import CausalLM
@@ -88,7 +88,7 @@ class Engine:
         self.graphs: StepGraphs | None = None
         # sampled rows a compiled prefill graph covers (None: any); more run eager
         self.prefill_graph_rows: int | None = None
-        self.compile_mode = resolve_mode(config.compile, self.device, tp)
+        self.compile_mode = resolve_mode(config.compile, self.device)
         if self.compile_mode != "off":
             dims: dict[str, Callable[..., DynamicDims]] = {"decode": self._decode_dims}
             dummy: dict[str, Callable[[int], tuple[Any, ...]]] = {"decode": self._dummy_decode}
@@ -180,11 +180,15 @@ class Engine:
         """Float32 logits [N, vocab] for the sampled rows of the batch."""
         meta = inputs.meta if inputs.meta is not None else self.backend.prepare(inputs.layout)
         args = (inputs.input_ids, inputs.positions, meta, inputs.logits_indices)
-        if self.graphs is not None:
-            out = self._run_graph(inputs.layout, args)
-            if out is not None:
-                return out
-        return self._forward(*args)
+        # Eager steps bind the group too: while another thread compiles a graph,
+        # torch.compiler.is_compiling() reads True in the whole process, and this step's
+        # collectives then take the graph path (distributed.py), which runs on the bound group.
+        with bind(self.comm):
+            if self.graphs is not None:
+                out = self._run_graph(inputs.layout, args)
+                if out is not None:
+                    return out
+            return self._forward(*args)
 
     def _run_graph(self, layout: BatchLayout, args: tuple[Any, ...]) -> torch.Tensor | None:
         assert self.graphs is not None

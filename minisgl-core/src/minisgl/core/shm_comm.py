@@ -10,7 +10,8 @@ Two slots per rank alternate by step parity. A rank writes slot ``s % 2`` at ste
 it passed the wait of step ``s - 1``, where every rank had arrived at ``s - 1`` and therefore
 finished reading step ``s - 2``, the previous user of that slot. Tensors larger than a slot go
 through the wrapped torch.distributed communicator. Waiting spins briefly, then yields the core
-(ranks may outnumber cores).
+(ranks may outnumber cores), and gives up after ``timeout_s`` (the group's per-collective
+timeout, as gloo's): a rank that failed or left the step surfaces as an error, not a hang.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ _HEADER = 64  # bytes of one rank's arrival counter (a cache line each)
 
 
 class ShmCommunicator(Communicator):
-    def __init__(self, name: str, fallback: Communicator, create: bool) -> None:
+    def __init__(self, name: str, fallback: Communicator, create: bool,
+                 timeout_s: float = 300.0) -> None:
         super().__init__(fallback.rank, fallback.world_size)
         self.fallback = fallback
+        self.timeout_s = timeout_s
         n = self.world_size
         size = n * _HEADER + 2 * n * SLOT_BYTES
         self.path = os.path.join(SHM_DIR, name)
@@ -51,19 +54,20 @@ class ShmCommunicator(Communicator):
         self._step = 0
 
     @classmethod
-    def connect(cls, fallback: Communicator, tag: str) -> ShmCommunicator:
+    def connect(cls, fallback: Communicator, tag: str, timeout_s: float = 300.0
+                ) -> ShmCommunicator:
         """Rank 0 creates the segment, the others open it (a fallback barrier orders the two).
         The segment is unlinked as soon as everyone has it open: nothing outlives the ranks."""
         name = f"minisgl-{tag}"
         flag = torch.zeros(1)
         if fallback.rank == 0:
-            comm = cls(name, fallback, create=True)
+            comm = cls(name, fallback, create=True, timeout_s=timeout_s)
             fallback.all_reduce(flag)  # created
             fallback.all_reduce(flag)  # everyone attached
             os.unlink(comm.path)
         else:
             fallback.all_reduce(flag)
-            comm = cls(name, fallback, create=False)
+            comm = cls(name, fallback, create=False, timeout_s=timeout_s)
             fallback.all_reduce(flag)
         return comm
 
@@ -78,12 +82,19 @@ class ShmCommunicator(Communicator):
         slots = self._slots[self._step % 2]
         slots[self.rank, :nbytes].copy_(x.view(-1).view(torch.uint8))
         self._counters[self.rank][0] = self._step  # after the data: x86 keeps store order
-        spins = 0
-        for c in self._counters:
+        spins, deadline = 0, 0.0
+        for r, c in enumerate(self._counters):
             while c[0] < self._step:
                 spins += 1
                 if spins > 2000:
                     time.sleep(0) if spins < 20000 else time.sleep(1e-5)
+                if spins % 4096 == 0:
+                    now = time.monotonic()
+                    deadline = deadline or now + self.timeout_s
+                    if now > deadline:
+                        raise RuntimeError(
+                            f"tensor-parallel rank {r} did not reach collective {self._step} "
+                            f"within {self.timeout_s:.0f} s (it failed or left the step)")
         return slots[:, :nbytes].view(x.dtype).view(self.world_size, *x.shape)
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:

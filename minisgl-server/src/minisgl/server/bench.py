@@ -514,7 +514,7 @@ def bench_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     from minisgl.server.cli import engine_kwargs
 
     kw = engine_kwargs(args)
-    if resolve_mode(kw.get("compile") or default_mode(), torch.device(args.device), args.tp) == "on":
+    if resolve_mode(kw.get("compile") or default_mode(), torch.device(args.device)) == "on":
         kw["compile"] = "wait"
     return kw
 
