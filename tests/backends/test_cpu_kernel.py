@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from minisgl.backends import cpu_kernels
 from minisgl.core.layers import quant
@@ -229,3 +230,100 @@ def test_int8_linear_bad_inputs_are_refused() -> None:
         torch.ops.minisgl_cpu.int8_linear(x[:, :32].float(), q[:, :32], s)
     with pytest.raises(RuntimeError, match="shapes"):
         torch.ops.minisgl_cpu.int8_linear(x[:, :32], q[:, :32], s[:4])
+
+
+# rows: one microkernel pass (<= 6), a pass and a tail, many passes; the weights: fewer outputs
+# than a block (16), a tail block, a thread's share not a multiple of the 4-block panel, SmolLM2
+# shapes, and (4, 64) with 300 rows: too few blocks to split, so the rows are split instead
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 300])
+@pytest.mark.parametrize(("n", "k"), [(1, 2), (3, 34), (40, 64), (4, 64), (960, 576),
+                                      (577, 1536), (200, 96)])
+def test_bf16_linear_matches_float64(rows: int, n: int, k: int) -> None:
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    g = torch.Generator().manual_seed(n * 7 + rows)
+    w = (torch.randn(n, k, generator=g) / math.sqrt(k)).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    packed = torch.ops.minisgl_cpu.bf16_pack(w)
+    assert packed.shape == (-(-n // 16), k // 2, 16, 2)
+    got = torch.ops.minisgl_cpu.bf16_linear(x, packed, n)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    want = x.double() @ w.double().T  # bf16 products are exact in float64
+    # float32 sums, then one rounding to bf16 (relative 2^-9) of each output
+    torch.testing.assert_close(got.double(), want, rtol=2.0 ** -8, atol=1e-5)
+    # a strided x (a view, as the sampled rows of a batch) gives the same
+    wide = torch.zeros(rows, 2 * k, dtype=torch.bfloat16)
+    wide[:, :k] = x
+    assert torch.equal(torch.ops.minisgl_cpu.bf16_linear(wide[:, :k], packed, n), got)
+
+
+def test_bf16_linear_zero_rows_and_threads() -> None:
+    """No rows gives an empty result; one thread gives what two give (same per-output sums)."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 128, generator=g).bfloat16()
+    packed = torch.ops.minisgl_cpu.bf16_pack(w)
+    assert torch.ops.minisgl_cpu.bf16_linear(torch.zeros(0, 128).bfloat16(), packed, 300).shape \
+        == (0, 300)
+    x = torch.randn(20, 128, generator=g).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.minisgl_cpu.bf16_linear(x, packed, 300)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, torch.ops.minisgl_cpu.bf16_linear(x, packed, 300))
+
+
+def test_bf16_linear_in_quant_uses_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading the kernels registers bf16_pack/bf16_linear; a layer prepacked afterwards holds
+    the kernel's layout and its matmul calls the kernel (eager and in a compiled graph); with
+    the registration removed, prepacking falls back to oneDNN."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    ops = torch.ops.minisgl_cpu
+    assert quant._bf16_linear == (ops.bf16_pack.default, ops.bf16_linear.default)
+    with pytest.raises(ValueError, match="needs its linear"):
+        quant.register_bf16_linear(ops.bf16_pack.default)
+    g = torch.Generator().manual_seed(2)
+    ref_w = torch.randn(72, 80, generator=g).bfloat16()
+
+    def layer() -> quant.QuantizableLinear:
+        m = quant.QuantizableLinear()
+        m.weight = torch.nn.Parameter(ref_w.clone(), requires_grad=False)
+        m.prepack()
+        assert m.weight.numel() == 0 and m.packed is not None
+        return m
+
+    kernel_layer = layer()
+    assert kernel_layer.packed_linear is ops.bf16_linear.default
+    assert kernel_layer.packed.shape == (5, 40, 16, 2)
+    x = torch.randn(3, 7, 80, generator=g).bfloat16()
+    want = F.linear(x, ref_w)
+    got = kernel_layer.matmul(x)
+    assert got.shape == (3, 7, 72)
+    torch.testing.assert_close(got, want, atol=0.0625, rtol=2 ** -7)
+    compiled = torch.compile(kernel_layer.matmul, dynamic=True, fullgraph=True)
+    assert torch.equal(compiled(x), got)
+
+    monkeypatch.setattr(quant, "_bf16_linear", None)
+    if not quant.can_prepack(ref_w):
+        pytest.skip("oneDNN has no bf16 support on this CPU")
+    onednn_layer = layer()
+    assert onednn_layer.packed_linear is None and onednn_layer.pack_token is not None
+    torch.testing.assert_close(onednn_layer.matmul(x), want, atol=0.0625, rtol=2 ** -7)
+
+
+def test_bf16_linear_bad_inputs_are_refused() -> None:
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    ops = torch.ops.minisgl_cpu
+    with pytest.raises(RuntimeError, match="even"):
+        ops.bf16_pack(torch.zeros(8, 5, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16"):
+        ops.bf16_pack(torch.zeros(8, 4))
+    packed = ops.bf16_pack(torch.zeros(20, 8, dtype=torch.bfloat16))
+    x = torch.zeros(3, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.bf16_linear(torch.zeros(3, 10, dtype=torch.bfloat16), packed, 20)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.bf16_linear(x, packed, 33)
+    with pytest.raises(RuntimeError, match="bf16"):
+        ops.bf16_linear(x.float(), packed, 20)

@@ -1,4 +1,4 @@
-"""Compiled steps (``compile=...``) and oneDNN-prepacked weights, against eager/F.linear.
+"""Compiled steps (``compile=...``) and prepacked bf16 weights, against eager/F.linear.
 
 The whole suite also runs with ``MINISGL_COMPILE=wait`` (nox ``tests-compiled`` sessions): then
 every HF-reference test checks compiled decode steps too. Here: bucket routing, compiled logits
@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minisgl.backends import cpu_kernels
 from minisgl.core import LLM
 from minisgl.core.compile import buckets_for, resolve_mode
 from minisgl.core.layers.quant import QuantizableLinear, can_prepack
@@ -230,6 +231,10 @@ def test_bf16_engine_prepacks_every_linear(smollm2_path: str) -> None:
     model = llm.engine.model
     linears = [m for m in model.modules() if isinstance(m, QuantizableLinear)]
     assert linears and all(m.packed is not None for m in linears)
+    # where the CPU kernels load (AVX512-BF16, CI), every layer is in their layout: the backend
+    # is built, and registers them, before the engine converts the weights
+    kernel = torch.ops.minisgl_cpu.bf16_linear.default if cpu_kernels.load() else None
+    assert all(m.packed_linear is kernel for m in linears)
     # the tied LM head keeps the embedding's float weight, the others drop theirs
     assert model.model.embed_tokens.weight.numel() > 0
     assert sum(m.weight.numel() == 0 for m in linears) == len(linears) - 1

@@ -3,6 +3,10 @@
 - ``paged_attention`` (cpu_attention.cpp): prefill, extend and decode over the paged KV pool,
   read in place, for bf16 on CPUs with AVX512-BF16 (vdpbf16ps; Intel since Cooper Lake, AMD
   since Zen 4).
+- ``bf16_pack`` / ``bf16_linear`` (cpu_linear.cpp): bf16 weights in the kernel's own blocked
+  layout and the matmul over it, for any number of rows (AVX512-BF16); ``load()`` registers them
+  with ``minisgl.core.layers.quant.register_bf16_linear``, so weights converted afterwards (the
+  engine builds the attention backend first) use them in place of oneDNN.
 - ``int8_linear`` (cpu_linear.cpp): weight-only int8 matmul for a few rows (decode); ``load()``
   registers it with ``minisgl.core.layers.quant.register_int8_gemv``, which then uses it in
   place of ``aten._weight_int8pack_mm``.
@@ -29,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from minisgl.core.layers.quant import register_int8_gemv
+from minisgl.core.layers.quant import register_bf16_linear, register_int8_gemv
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +104,9 @@ def _load() -> bool:
         log.warning("CPU attention kernels unavailable (%s); using the PyTorch path", load_error)
         return False
     _register_fake()
-    register_int8_gemv(torch.ops.minisgl_cpu.int8_linear.default, max_rows=INT8_GEMV_ROWS)
+    ops = torch.ops.minisgl_cpu
+    register_bf16_linear(ops.bf16_pack.default, ops.bf16_linear.default)
+    register_int8_gemv(ops.int8_linear.default, max_rows=INT8_GEMV_ROWS)
     return True
 
 
@@ -128,6 +134,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("minisgl_cpu::int8_linear")
     def _(x, w, s):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.register_fake("minisgl_cpu::bf16_linear")
+    def _(x, w, n):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], n)
 
 
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

@@ -68,9 +68,14 @@ class TorchNativeBackend(AttentionBackend):
     def __init__(self, kv: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float, device: torch.device) -> None:
         super().__init__(kv, num_heads, num_kv_heads, head_dim, scale, device)
-        # The first engine on a machine builds the kernel (~6 s); later ones load it.
+        # The first engine on a machine builds the kernels (~6 s); later ones load them. Loading
+        # also registers the bf16 and int8 linear kernels with the core (cpu_kernels.load), for
+        # any head shape: the engine converts the weights after building the backend.
+        dtype = kv.k[0].dtype
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            cpu_kernels.load()
         self.uses_cpu_kernel = device.type == "cpu" and cpu_kernels.supports(
-            kv.k[0].dtype, num_heads, num_kv_heads, head_dim)
+            dtype, num_heads, num_kv_heads, head_dim)
 
     def prepare(self, layout: BatchLayout) -> TorchNativeMeta:
         if self.uses_cpu_kernel:

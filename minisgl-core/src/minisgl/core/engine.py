@@ -57,10 +57,6 @@ class Engine:
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model: CausalLM = model_cls(mc, self.comm)
         self.model.load_weights(iter_weights(mc.path))
-        if config.quantization == "int8":
-            quantize_model_int8(self.model)
-        else:
-            prepack_model(self.model)  # bf16 on CPU: oneDNN layout (no-op elsewhere)
         self.model.eval()
 
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
@@ -78,6 +74,11 @@ class Engine:
         backend_cls = pm.attention_backends.get(config.attention_backend)
         self.backend: AttentionBackend = backend_cls(
             self.kv, mc.num_heads // tp, kv_heads, mc.head_dim, mc.head_dim ** -0.5, self.device)
+        # after the backend, which may register kernels for the linear layers (quant.py)
+        if config.quantization == "int8":
+            quantize_model_int8(self.model)
+        else:
+            prepack_model(self.model)  # bf16 on CPU: a kernel's blocked layout (no-op elsewhere)
         sampler_cls = pm.samplers.get(config.sampler)
         self.sampler: Sampler = sampler_cls(mc.vocab_size, self.device)
         # Sampled tokens land here too, so a step launched before the previous one finished
