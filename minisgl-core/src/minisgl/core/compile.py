@@ -10,7 +10,7 @@ path cannot): eager, a prefill step spends ~20% of its time in norms, RoPE and c
 
 Why it pays on CPU: a single-token step is ~1,000 small ops (norms, RoPE, residuals, softmax,
 casts) around the weight matmuls; Inductor fuses them into a few C++ loops. The matmuls
-themselves stay library calls (oneDNN prepacked bf16 through a custom op, int8, or aten).
+themselves stay library calls (the CPU kernels' bf16 linear, oneDNN, int8, or aten).
 
 Compiling costs 35-60 s per bucket for SmolLM2 on 2 cores, and most of it is Python holding the
 GIL: on a thread of the serving process it would stall every eager step. So:

@@ -38,7 +38,7 @@ def _status_mib(pid: int, key: str) -> float:
 
 def weight_bytes(model: Any) -> int:
     """Bytes of the weights a rank holds: parameters plus the converted copies the linear layers
-    compute with (oneDNN-packed bf16, int8 + scales), which are not parameters."""
+    compute with (prepacked bf16, int8 + scales), which are not parameters."""
     tensors = list(model.parameters())
     for m in model.modules():
         tensors += [t for name in ("packed", "qweight", "qscale")
