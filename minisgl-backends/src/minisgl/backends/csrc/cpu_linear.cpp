@@ -14,11 +14,11 @@
 // contiguous stream of K * 32 bytes.
 //
 // The microkernel computes MR rows of x against NR blocks (MR x NR float32 accumulators in
-// registers, the whole K at once: K is at most a few thousand here). For a few rows (decode) it
-// is a GEMV that streams the weight once from DRAM: 4 blocks are 4 sequential streams, each
-// prefetched 1 KB ahead. For more rows a thread keeps a panel of NR blocks in L2 (NR * K * 32
-// bytes: 73 KB at K = 576) while all of x's rows pass over it, MR at a time (24 vdpbf16ps per
-// 4 weight loads and 6 broadcasts), and prefetches the next panel meanwhile. Measured against oneDNN on its prepacked weights
+// registers, the whole K at once: K is at most a few thousand here). For up to 4 rows (decode)
+// a GEMV streams each thread's share of the weight once from DRAM, block after block. For more
+// rows a thread keeps a panel of NR blocks in L2 (NR * K * 32 bytes: 73 KB at K = 576) while
+// all of x's rows pass over it, MR at a time (24 vdpbf16ps per 4 weight loads and 6
+// broadcasts), and prefetches the next panel meanwhile. Measured against oneDNN on its prepacked weights
 // (a decode step's 121 SmolLM2 weights in sequence, 2 threads, docs/benchmarks.md): 1 row
 // 8.3-9.7 vs 13.2-14.6 ms (the weights at 93-98% of the machine's plain read speed, oneDNN at
 // ~62%), 16 rows 13.8 vs 24.9, 32 rows 25.3 vs 30.8, 1024 rows 725 vs 732, 4096 rows 2,759 vs
@@ -72,7 +72,7 @@ namespace {
 constexpr int kLanes = 16;            // output features per block (one float32 vector)
 constexpr int kMR = 6;                // rows of x per microkernel call
 constexpr int kNR = 4;                // blocks per microkernel call (a panel)
-constexpr int64_t kStreamAhead = 1024;  // bytes each block's stream is prefetched ahead
+constexpr int kGemvRows = 4;          // up to this many rows: bf16_gemv (one stream per thread)
 
 at::Tensor bf16_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "w must be [N, K] bf16");
@@ -112,12 +112,7 @@ void bf16_micro(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int
   const int64_t ldp = ldx / 2;
   for (int64_t p = 0; p < K2; ++p) {
     __m512bh wv[NR];
-    for (int r = 0; r < NR; ++r) {
-      // past the block's end this touches the next block or a line past the tensor: a prefetch
-      // never faults
-      _mm_prefetch(wb[r] + p * 64 + kStreamAhead, _MM_HINT_T0);
-      wv[r] = (__m512bh)_mm512_loadu_si512(wb[r] + p * 64);
-    }
+    for (int r = 0; r < NR; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(wb[r] + p * 64);
     for (int64_t i = p * pf_per; i < std::min(pf_lines, (p + 1) * pf_per); ++i)
       _mm_prefetch(pf + i * 64, _MM_HINT_T1);
     for (int m = 0; m < MR; ++m) {
@@ -135,6 +130,61 @@ void bf16_micro(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int
         _mm256_mask_storeu_epi16(y + m * ldy + n, static_cast<__mmask16>((1u << (N - n)) - 1), h);
     }
 }
+
+// Few rows (M <= kGemvRows, decode): blocks b0 .. b1 one after the other, so that a thread reads
+// its share of the weight as one sequential stream, each block's K in steps of 4 pairs with 4
+// accumulators per row (the latency of vdpbf16ps), summed at the end. The panel order reads 4
+// streams 18 KB apart (K = 576); measured, medians of 15 alternating passes over a decode
+// step's 121 SmolLM2 weights (a plain read of as many bytes: 8.2 ms): 1 row 9.6 vs 12.1 ms,
+// 2 rows 9.6 vs 11.7, 4 rows 10.2 vs 11.9, 6 rows 13.0 vs 12.4 (4 x 6 broadcasts per 4 weight
+// lines: from there the panel order wins). Software prefetch made it slower.
+template <int MR>
+void bf16_gemv(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t K2,
+               int64_t b0, int64_t b1, c10::BFloat16* y, int64_t ldy, int64_t N) {
+  constexpr int U = 4;
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x);
+  const int64_t ldp = ldx / 2;
+  for (int64_t b = b0; b < b1; ++b) {
+    const char* wb = reinterpret_cast<const char*>(w + b * K2 * 32);
+    __m512 acc[MR][U];
+    for (int m = 0; m < MR; ++m)
+      for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
+    int64_t p = 0;
+    for (; p + U <= K2; p += U) {
+      __m512bh wv[U];
+      for (int u = 0; u < U; ++u) wv[u] = (__m512bh)_mm512_loadu_si512(wb + (p + u) * 64);
+      for (int m = 0; m < MR; ++m)
+        for (int u = 0; u < U; ++u)
+          acc[m][u] = _mm512_dpbf16_ps(acc[m][u], (__m512bh)_mm512_set1_epi32(xp[m * ldp + p + u]),
+                                       wv[u]);
+    }
+    for (; p < K2; ++p) {
+      __m512bh wv = (__m512bh)_mm512_loadu_si512(wb + p * 64);
+      for (int m = 0; m < MR; ++m)
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_set1_epi32(xp[m * ldp + p]), wv);
+    }
+    const int64_t n = b * kLanes;
+    for (int m = 0; m < MR; ++m) {
+      __m512 s = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]),
+                               _mm512_add_ps(acc[m][2], acc[m][3]));
+      __m256i h = (__m256i)_mm512_cvtneps_pbh(s);
+      if (n + kLanes <= N)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + n), h);
+      else
+        _mm256_mask_storeu_epi16(y + m * ldy + n, static_cast<__mmask16>((1u << (N - n)) - 1), h);
+    }
+  }
+}
+
+using Bf16Gemv = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, int64_t,
+                          int64_t, c10::BFloat16*, int64_t, int64_t);
+
+template <int... I>
+constexpr std::array<Bf16Gemv, sizeof...(I)> gemv_table(std::integer_sequence<int, I...>) {
+  return {&bf16_gemv<I + 1>...};
+}
+
+constexpr auto kGemv = gemv_table(std::make_integer_sequence<int, kGemvRows>{});
 
 using Bf16Micro = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, int64_t,
                            c10::BFloat16*, int64_t, int64_t, const char*, int64_t, int64_t);
@@ -156,6 +206,10 @@ void bf16_rows(const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, c10::B
                int64_t N, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
   const int64_t K2 = K / 2;
   const int64_t chunks = (m1 - m0 + kMR - 1) / kMR;
+  if (m1 - m0 <= kGemvRows) {
+    kGemv[m1 - m0 - 1](x + m0 * K, K, w, K2, b0, b1, y + m0 * N, N, N);
+    return;
+  }
   for (int64_t b = b0; b < b1; b += kNR) {
     const int64_t nr = std::min<int64_t>(kNR, b1 - b);
     const char* next = reinterpret_cast<const char*>(w + (b + nr) * K2 * 32);
