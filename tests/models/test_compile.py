@@ -10,6 +10,8 @@ process + cache) and prepacking.
 from __future__ import annotations
 
 import os
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 
 from minisgl.backends import cpu_kernels
 from minisgl.core import LLM
-from minisgl.core.compile import buckets_for, resolve_mode
+from minisgl.core.compile import StepGraphs, buckets_for, resolve_mode
 from minisgl.core.layers.quant import QuantizableLinear, can_prepack
 
 from .conftest import VOCAB
@@ -241,3 +243,57 @@ def test_bf16_engine_prepacks_every_linear(smollm2_path: str) -> None:
     text = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                     greedy(12))[0].text
     assert "Paris" in text
+
+
+_gate = threading.Event()  # the op below waits on it: a step held inside its graph
+_inside = threading.Event()  # set once a call is waiting
+
+
+@torch.library.custom_op("minisgl_test::gated_double", mutates_args=())
+def _gated_double(x: torch.Tensor) -> torch.Tensor:
+    _inside.set()
+    _gate.wait(30)
+    return x * 2
+
+
+@_gated_double.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def test_graph_compiling_while_a_step_runs_on_another_graph(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """A step on a graph runs under the process-wide "fail_on_recompile" stance; a graph
+    compiling meanwhile on the background thread must not see it (it used to fail and stay
+    eager: the server's prefill graphs while decode steps ran), and a step that finds a
+    compilation under way runs eager instead of waiting for it."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.minisgl_test.gated_double(x) + 1
+
+    graphs = StepGraphs(fn, {"decode": lambda x: [(x, 0, "batch")]},
+                        {"decode": lambda n: (torch.zeros(n),)}, max_batch=8)
+    _gate.set()
+    graphs.compile_one(("decode", 1, 1))
+    assert graphs.ready == {("decode", 1, 1)}
+    _gate.clear()
+    _inside.clear()
+    results: list[torch.Tensor | None] = []
+    step = threading.Thread(target=lambda: results.append(
+        graphs.run("decode", (torch.ones(1),), 1)))
+    step.start()
+    assert _inside.wait(30)  # the step is inside its graph, under the stance
+    compiling = threading.Thread(target=graphs.compile_one, args=(("decode", 2, 8),))
+    compiling.start()
+    threading.Timer(1.0, _gate.set).start()  # let the step finish a second later
+    step.join(60)
+    compiling.join(300)
+    assert results and results[0] is not None and torch.equal(results[0], torch.full((1,), 3.0))
+    assert graphs.failed == {}, graphs.failed
+    assert graphs.ready == {("decode", 1, 1), ("decode", 2, 8)}
+    # while a graph compiles, steps on the ready ones run eager (None) rather than wait
+    with graphs._lock:
+        assert graphs.run("decode", (torch.ones(1),), 1) is None
+    assert torch.equal(graphs.run("decode", (torch.ones(3),), 3), torch.full((3,), 3.0))

@@ -155,6 +155,12 @@ class StepGraphs:
         self.compile_seconds: dict[Key, float] = {}
         self.steps: dict[Key, int] = dict.fromkeys(self.keys, 0)  # steps each graph ran
         self._thread: threading.Thread | None = None
+        # Held while a graph compiles and while a step runs on a graph. A step runs under the
+        # "fail_on_recompile" stance, which is process-wide: a graph compiling on the background
+        # thread meanwhile was refused too, and stayed eager (seen: the server's prefill graphs
+        # while decode steps ran on theirs). Steps find it taken while a graph compiles and run
+        # eager instead of waiting.
+        self._lock = threading.Lock()
 
     def key(self, phase: str, batch_size: int) -> Key | None:
         for k in self.keys:
@@ -185,7 +191,8 @@ class StepGraphs:
             args = self._dummy[key[0]](min(max(key[1], 5), key[2]) if key[2] > 1 else 1)
             self._mark(args, key)
             # dummy inputs, at a moment of this rank's choosing: collectives act as if alone
-            self._call(args, key, LOCAL)
+            with self._lock:
+                self._call(args, key, LOCAL)
         except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager
             self.failed[key] = f"{type(e).__name__}: {e}"
             log.warning("%s graph for batch %s-%s failed to compile; it runs eager: %s",
@@ -245,8 +252,8 @@ class StepGraphs:
 
     def run(self, phase: str, args: tuple[Any, ...], batch_size: int) -> torch.Tensor | None:
         key = self.key(phase, batch_size)
-        if key is None or key not in self.ready:
-            return None
+        if key is None or key not in self.ready or not self._lock.acquire(blocking=False):
+            return None  # (the lock: another graph is compiling)
         try:
             # a shape the graph's guards reject would recompile here, in the serving process,
             # for a minute: refused instead, and that step runs eager
@@ -261,6 +268,8 @@ class StepGraphs:
             self._disable(key, e)
         except Exception as e:  # noqa: BLE001 - a graph that breaks at run time: back to eager
             self._disable(key, e)
+        finally:
+            self._lock.release()
         return None
 
     def _disable(self, key: Key, e: Exception) -> None:
