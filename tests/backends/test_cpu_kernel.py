@@ -3,8 +3,9 @@
 Attention directly (prefill, extend, decode, split-K, GQA ratios, head dims, keys in scattered
 slots) and through the torch backend on a paged pool (run_case), where the backend must pick the
 kernel; the PyTorch path it falls back to is the one test_attention_conformance checks in float32.
-The int8 GEMV directly (rows of x, weight shapes with and without a 4-row tail) and through
-minisgl.core.layers.quant.int8_linear, which must use it once the kernels are loaded.
+The bf16 and int8 linear kernels directly (rows of x from the GEMV to many panels, weight shapes
+with tail blocks) and through minisgl.core.layers.quant's layers, which must use them once the
+kernels are loaded.
 """
 
 from __future__ import annotations
@@ -174,62 +175,117 @@ def test_bad_inputs_are_refused() -> None:
         cpu_kernels.paged_attention(q, k, v, slots.int(), lens, starts, one, 1.0)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 9])  # more than 4: passes of 4 rows and a rest
-@pytest.mark.parametrize(("n", "k"), [(1, 16), (3, 32), (7, 48), (960, 576), (577, 1536),
-                                      (4099, 64)])
+def _int8_x_reference(x: torch.Tensor) -> torch.Tensor:
+    """x as int8_linear multiplies it, in float64: each row scaled to integers of at most qmax
+    (8191, fewer for K > 2,064 so that K products of 127 * qmax fit an int32), rounded to
+    nearest, scaled back."""
+    k = x.shape[1]
+    qmax = min(8191, (2 ** 31 - 1) // (127 * k))
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    # float32 division, as the kernel (int / tensor would be a reciprocal times qmax)
+    inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, torch.zeros(()))
+    return torch.round(xf * inv).double() * torch.where(amax > 0, amax / qmax, 0.0).double()
+
+
+# rows and weight shapes as for bf16 below, plus K = 4,200 (qmax below 8191) and an all-zero row
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 300])
+@pytest.mark.parametrize(("n", "k"), [(1, 2), (3, 34), (40, 64), (4, 64), (960, 576),
+                                      (577, 1536), (200, 96), (50, 4200)])
 def test_int8_linear_matches_float64(rows: int, n: int, k: int) -> None:
     assert cpu_kernels.load(), cpu_kernels.load_error
+    ops = torch.ops.minisgl_cpu
     g = torch.Generator().manual_seed(n * 7 + rows)
     q, s = quant.quantize_rows(torch.randn(n, k, generator=g) / math.sqrt(k))
-    s = s.bfloat16()
     x = torch.randn(rows, k, generator=g).bfloat16()
-    want = x.double() @ (q.double() * s.double()[:, None]).T
-    got = torch.ops.minisgl_cpu.int8_linear(x, q, s)
+    if rows > 2:
+        x[rows // 2] = 0.0  # scale 0: zeros out
+    packed = ops.int8_pack(q)
+    assert packed.shape == (-(-n // 16), k // 2, 16, 2) and packed.dtype == torch.int8
+    got = ops.int8_linear(x, packed, s, n)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    # float32 sums, then one rounding to bf16 (relative 2^-9) of each output
-    torch.testing.assert_close(got.double(), want, rtol=2.0 ** -8, atol=1e-5)
+    w = q.double() * s.double()[:, None]
+    # integer products are exact, the scales float32: what is left is one rounding to bf16
+    torch.testing.assert_close(got.double(), _int8_x_reference(x) @ w.T, rtol=2.0 ** -8,
+                               atol=1e-5)
+    # against x itself: the rounding of x adds at most half a step of its row per input
+    plain = x.double() @ w.T
+    step = x.double().abs().amax(dim=1, keepdim=True) / min(8191, (2 ** 31 - 1) // (127 * k))
+    bound = 2.0 ** -8 * plain.abs() + step / 2 * w.abs().sum(dim=1) + 1e-5
+    assert bool(((got.double() - plain).abs() <= bound).all())
+    wide = torch.zeros(rows, 2 * k, dtype=torch.bfloat16)
+    wide[:, :k] = x
+    assert torch.equal(ops.int8_linear(wide[:, :k], packed, s, n), got)  # a strided x
 
 
 def test_int8_linear_in_quant_uses_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Loading the kernels registers the GEMV; quant.int8_linear takes it for up to
-    INT8_GEMV_ROWS (2) bf16 rows (K a multiple of 16) and ATen's int8 matmul otherwise."""
+    """Loading the kernels registers int8_pack/int8_linear; a bf16 layer quantized afterwards
+    holds the kernel's layout and float32 scales and its matmul calls the kernel for any rows
+    (eager and compiled); float32 layers, and any layer once the registration is removed, use
+    ATen's int8 matmul on plain int8 rows."""
     assert cpu_kernels.load(), cpu_kernels.load_error
-    gemv, max_rows = quant._int8_gemv or (None, 0)
-    assert gemv is torch.ops.minisgl_cpu.int8_linear.default
-    assert max_rows == cpu_kernels.INT8_GEMV_ROWS == 2
-    with pytest.raises(ValueError, match="max_rows"):
-        quant.register_int8_gemv(gemv, 0)  # a kernel must say up to how many rows it wins
-    assert quant._int8_gemv == (gemv, max_rows)
-    calls: list[int] = []
+    ops = torch.ops.minisgl_cpu
+    assert quant._int8_kernel == (ops.int8_pack.default, ops.int8_linear.default)
+    with pytest.raises(ValueError, match="needs its linear"):
+        quant.register_int8_linear(ops.int8_pack.default)
+    g = torch.Generator().manual_seed(3)
+    ref_w = torch.randn(72, 80, generator=g)
 
-    def counting(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return gemv(x, w, s)
+    def layer(dtype: torch.dtype) -> quant.QuantizableLinear:
+        m = quant.QuantizableLinear()
+        m.weight = torch.nn.Parameter(ref_w.to(dtype), requires_grad=False)
+        m.quantize_int8()
+        assert m.weight.numel() == 0 and m.qweight is not None
+        return m
 
-    monkeypatch.setattr(quant, "_int8_gemv", (counting, max_rows))
-    g = torch.Generator().manual_seed(0)
-    q, s = quant.quantize_rows(torch.randn(40, 64, generator=g))
-    s = s.bfloat16()
-    for rows in (1, 2, 3):
-        x = torch.randn(2, rows, 64, generator=g).bfloat16()[0]  # a view, as in a model
-        assert torch.equal(quant.int8_linear(x, q, s),
-                           gemv(x, q, s) if rows <= 2 else
-                           torch.ops.aten._weight_int8pack_mm(x, q, s))
-    quant.int8_linear(torch.randn(1, 64), q, s.float())  # float32: ATen
-    assert calls == [1, 2]
+    kernel_layer = layer(torch.bfloat16)
+    q, s = quant.quantize_rows(ref_w.bfloat16())
+    assert kernel_layer.qlinear is ops.int8_linear.default
+    assert torch.equal(kernel_layer.qweight, ops.int8_pack(q))
+    assert kernel_layer.qscale is not None and torch.equal(kernel_layer.qscale, s)
+    for rows in (1, 40):  # GEMV and panels
+        x = torch.randn(3, rows, 80, generator=g).bfloat16()
+        got = kernel_layer.matmul(x)
+        assert got.shape == (3, rows, 72)
+        assert torch.equal(got, ops.int8_linear(x.reshape(-1, 80), ops.int8_pack(q), s, 72)
+                           .reshape(3, rows, 72))
+        compiled = torch.compile(kernel_layer.matmul, dynamic=True, fullgraph=True)
+        assert torch.equal(compiled(x), got)
+    assert quant.int8_rows_limit(torch.nn.Sequential(kernel_layer)) is None
+
+    float_layer = layer(torch.float32)  # the kernel is bf16 only
+    assert float_layer.qlinear is None and float_layer.qweight is not None
+    assert float_layer.qweight.shape == (72, 80)
+    assert quant.int8_rows_limit(torch.nn.Sequential(kernel_layer, float_layer)) == \
+        quant.INT8_MM_MAX_ROWS
+    monkeypatch.setattr(quant, "_int8_kernel", None)
+    aten_layer = layer(torch.bfloat16)
+    assert aten_layer.qlinear is None and aten_layer.qweight is not None
+    x = torch.randn(2, 80, generator=g).bfloat16()
+    assert torch.equal(aten_layer.matmul(x),
+                       torch.ops.aten._weight_int8pack_mm(x, q, s.bfloat16()))
 
 
 def test_int8_linear_bad_inputs_are_refused() -> None:
     assert cpu_kernels.load(), cpu_kernels.load_error
-    q = torch.zeros(8, 40, dtype=torch.int8)
-    s = torch.ones(8, dtype=torch.bfloat16)
-    x = torch.zeros(1, 40, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="multiple of 16"):
-        torch.ops.minisgl_cpu.int8_linear(x, q, s)
+    ops = torch.ops.minisgl_cpu
+    with pytest.raises(RuntimeError, match="even"):
+        ops.int8_pack(torch.zeros(8, 5, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="int8"):
+        ops.int8_pack(torch.zeros(8, 4, dtype=torch.bfloat16))
+    packed = ops.int8_pack(torch.zeros(20, 8, dtype=torch.int8))
+    x = torch.zeros(3, 8, dtype=torch.bfloat16)
+    s = torch.ones(20)
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.int8_linear(torch.zeros(3, 10, dtype=torch.bfloat16), packed, s, 20)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.int8_linear(x, packed, s, 33)
     with pytest.raises(RuntimeError, match="bf16"):
-        torch.ops.minisgl_cpu.int8_linear(x[:, :32].float(), q[:, :32], s)
-    with pytest.raises(RuntimeError, match="shapes"):
-        torch.ops.minisgl_cpu.int8_linear(x[:, :32], q[:, :32], s[:4])
+        ops.int8_linear(x.float(), packed, s, 20)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.int8_linear(x, packed, s.bfloat16(), 20)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        ops.int8_linear(x, packed, s[:4], 20)
 
 
 # rows: one microkernel pass (<= 6), a pass and a tail, many passes; the weights: fewer outputs

@@ -153,10 +153,11 @@ def test_compiled_prefill_matches_eager(tiny_dirs: dict) -> None:
 
 
 def test_compiled_int8_decode_matches_eager(tiny_dirs: dict) -> None:
-    """bf16 int8 with the CPU kernels loaded: the batch-1 graph calls the int8 GEMV op, the
-    2-8 graph (a symbolic row count) ATen's int8 matmul; both compile (no guard splits the
-    range) and their logits match eager ones (which use the GEMV up to 2 rows) to within bf16
-    rounding of the steps between (Inductor fuses them in float32)."""
+    """bf16 int8 with the CPU kernels loaded: the decode graphs (batch 1; 2-8, a symbolic row
+    count) and the prefill graphs call the int8 kernel op, compile, and their logits match eager
+    ones to within bf16 rounding of the steps between (Inductor fuses them in float32). Where
+    eager bf16 logits tie (or nearly: tiny random models), the two may pick different tokens:
+    then only the steps before are compared, and the parting step must be such a tie."""
     from minisgl.backends import cpu_kernels
 
     if not cpu_kernels.supports(torch.bfloat16, 4, 2, 32):
@@ -177,10 +178,18 @@ def test_compiled_int8_decode_matches_eager(tiny_dirs: dict) -> None:
             assert graphs.steps[("decode", 1, 1)] == 5 and graphs.steps[("decode", 2, 8)] == 5
         results[mode] = rec
         llm.close()
-    assert len(results["off"]) == len(results["wait"]) > 10
-    for (ids0, l0), (ids1, l1) in zip(results["off"], results["wait"]):
-        assert ids0 == ids1
-        torch.testing.assert_close(l1.float(), l0.float(), atol=0.1, rtol=0.05)
+    eager = {tuple(ids): row.float() for ids, row in results["off"]}
+    compiled = {tuple(ids): row.float() for ids, row in results["wait"]}
+    common = eager.keys() & compiled.keys()
+    assert len(common) > 10
+    for seq in common:
+        torch.testing.assert_close(compiled[seq], eager[seq], atol=0.1, rtol=0.05)
+    for seq in eager.keys() - compiled.keys():
+        parent = seq[:-1]  # where the two runs parted, if it is in both
+        if parent in common:
+            top = eager[parent].topk(2).values
+            assert int(compiled[parent].argmax()) != int(eager[parent].argmax())
+            assert float(top[0] - top[1]) <= 0.1, (len(parent), top)
 
 
 def test_background_compile_serves_eager_then_compiled(tiny_dirs: dict,

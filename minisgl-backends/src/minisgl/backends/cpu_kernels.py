@@ -7,9 +7,10 @@
   layout and the matmul over it, for any number of rows (AVX512-BF16); ``load()`` registers them
   with ``minisgl.core.layers.quant.register_bf16_linear``, so weights converted afterwards (the
   engine builds the attention backend first) use them in place of oneDNN.
-- ``int8_linear`` (cpu_linear.cpp): weight-only int8 matmul for a few rows (decode); ``load()``
-  registers it with ``minisgl.core.layers.quant.register_int8_gemv``, which then uses it in
-  place of ``aten._weight_int8pack_mm``.
+- ``int8_pack`` / ``int8_linear`` (cpu_linear.cpp): weight-only int8 in the same blocked layout,
+  for any number of rows (AVX512-VNNI); ``load()`` registers them with
+  ``minisgl.core.layers.quant.register_int8_linear``, so weights quantized afterwards use them in
+  place of ATen's int8 matmul (few rows) and per-call dequantization (many).
 
 The sources are compiled with the machine's compiler (``-O3 -march=native -fopenmp``) through
 ``torch.utils.cpp_extension`` into ``~/.cache/minisgl/ext/<key>``, the key covering the source,
@@ -33,19 +34,13 @@ from pathlib import Path
 
 import torch
 
-from minisgl.core.layers.quant import register_bf16_linear, register_int8_gemv
+from minisgl.core.layers.quant import register_bf16_linear, register_int8_linear
 
 log = logging.getLogger(__name__)
 
 NAME = "minisgl_cpu_attention"
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("cpu_attention.cpp", "cpu_linear.cpp")]
-# Rows up to which quant.int8_linear takes int8_linear instead of ATen's int8 matmul. Measured on
-# a pass over SmolLM2's 121 int8 weights (2 threads, 43 GB/s read): 1 row 3.7-4.0 vs 5.1-5.6 ms,
-# 2 rows 3.7-4.4 vs 4.9-5.1, 3 rows 5.6-5.8 vs 5.6-5.7 (a tie), 4 rows 6.9-7.0 vs 5.6-5.7: each
-# row adds 16 FMAs per 4 weight rows x 16 bytes, so past 2 rows the kernel is bound by arithmetic,
-# not by the weight stream (it computes up to 4 rows per pass, kMaxRows in cpu_linear.cpp).
-INT8_GEMV_ROWS = 2
 # -fopenmp: at::parallel_for is a header template whose threads are an ``omp parallel`` region
 # compiled into this library; without the flag it runs on one thread (links the libgomp.so.1
 # torch has loaded already: same soname, one thread pool)
@@ -106,7 +101,7 @@ def _load() -> bool:
     _register_fake()
     ops = torch.ops.minisgl_cpu
     register_bf16_linear(ops.bf16_pack.default, ops.bf16_linear.default)
-    register_int8_gemv(ops.int8_linear.default, max_rows=INT8_GEMV_ROWS)
+    register_int8_linear(ops.int8_pack.default, ops.int8_linear.default)
     return True
 
 
@@ -132,8 +127,8 @@ def _register_fake() -> None:
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("minisgl_cpu::int8_linear")
-    def _(x, w, s):  # type: ignore[no-untyped-def]
-        return x.new_empty(x.shape[0], w.shape[0])
+    def _(x, w, s, n):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("minisgl_cpu::bf16_linear")
     def _(x, w, n):  # type: ignore[no-untyped-def]

@@ -15,7 +15,7 @@ from minisgl.core.compile import DUMMY_KV_LEN, DynamicDims, StepGraphs, resolve_
 from minisgl.core.config import EngineConfig, ModelConfig, resolve_dtype
 from minisgl.core.distributed import Communicator, bind
 from minisgl.core.kvcache import KVPool, PageAllocator, ReqToTokenTable
-from minisgl.core.layers.quant import INT8_MM_MAX_ROWS, prepack_model, quantize_model_int8
+from minisgl.core.layers.quant import int8_rows_limit, prepack_model, quantize_model_int8
 from minisgl.core.model import CausalLM
 from minisgl.core.plugins import PluginManager, get_plugin_manager
 from minisgl.core.request import Batch, Req
@@ -95,8 +95,8 @@ class Engine:
             dummy: dict[str, Callable[[int], tuple[Any, ...]]] = {"decode": self._dummy_decode}
             if self.backend.prefill_dims(self._dummy_prefill(2)[2]) is not None:
                 dims["prefill"], dummy["prefill"] = self._prefill_dims, self._dummy_prefill
-            int8 = config.quantization == "int8"
-            self.prefill_graph_rows = INT8_MM_MAX_ROWS if int8 and "prefill" in dims else None
+            if config.quantization == "int8" and "prefill" in dims:
+                self.prefill_graph_rows = int8_rows_limit(self.model)
             self.graphs = StepGraphs(self._forward, dims, dummy, config.max_running_requests,
                                      self._worker_config(), self.prefill_graph_rows, self.comm)
             self.graphs.start(wait=self.compile_mode == "wait")

@@ -15,13 +15,14 @@ layout that a matmul kernel reads directly. Two kernels can do it, both with the
 Weight-only int8 (``--quantization int8``):
 
 Each linear weight row (one output feature) is scaled by its largest magnitude / 127 and rounded
-to int8; activations stay in the model dtype. On CPU the matmul reads the int8 weights and
-converts them in registers, which halves the bytes a decode step reads compared with bf16: for up
-to a few rows of bf16 a GEMV kernel registered with ``register_int8_gemv`` (minisgl-backends
-registers its ``int8_linear`` when its CPU kernels load: it prefetches the weight and streams a
-decode step's 121 SmolLM2 weights in 2.3 ms against ATen's 4.5, 2 cores), otherwise and up to
-``INT8_MM_MAX_ROWS`` rows ``aten._weight_int8pack_mm``. Bigger batches and other devices
-dequantize the weight per call (correct, not fast).
+to int8, which halves the bytes a decode step reads compared with bf16. On CPU a kernel
+registered with ``register_int8_linear`` computes every int8 linear layer, any number of rows, on
+weights it reordered once at load (minisgl-backends registers its ``int8_pack`` / ``int8_linear``
+when its CPU kernels load: int8 products against x scaled to 13-bit integers per row, finer than
+bf16; a decode step's 121 SmolLM2 weights in 5.9-6.9 ms against 8.6-10.6 for the previous
+float32-converting GEMV on AMD Zen 4, and prefill at bf16 speed, see docs/benchmarks.md). Without one (another CPU, float32 models):
+``aten._weight_int8pack_mm`` up to ``INT8_MM_MAX_ROWS`` rows, above that the weight is
+dequantized per call (correct, not fast); other devices always dequantize.
 The LM head is quantized too; with tied embeddings the embedding keeps the float weight.
 """
 
@@ -32,7 +33,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,41 +43,44 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scales
 
 
-# Up to this many rows (tokens) the int8 kernel wins: it reads half the bytes of bf16 and small
-# matmuls are bandwidth-bound. Beyond it the int8 kernel lags the bf16 GEMM (2.4x slower at 256
-# rows, 576 x 1536 weight, 2 cores), so big batches (prefill) dequantize and use the GEMM.
+# Without a registered int8 kernel: up to this many rows ATen's int8 matmul; beyond it, where
+# it lags the bf16 GEMM (2.4x slower at 256 rows, 576 x 1536 weight, 2 cores), the weight is
+# dequantized and multiplied by the GEMM.
 INT8_MM_MAX_ROWS = 32
-Int8Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-_int8_gemv: tuple[Int8Gemv, int] | None = None
+Int8Pack = Callable[[torch.Tensor], torch.Tensor]
+Int8Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+_int8_kernel: tuple[Int8Pack, Int8Linear] | None = None
 
 
-def register_int8_gemv(kernel: Int8Gemv | None, max_rows: int = 0) -> None:
-    """Use ``kernel(x [M, K] bf16, qweight [N, K] int8, scales [N] bf16) -> [M, N] bf16`` for CPU
-    int8 matmuls of up to ``max_rows`` rows (K a multiple of 16), the row count up to which it
-    beats ATen; None goes back to ATen. A torch op (not a Python function) when compiled graphs
-    are to call it."""
-    global _int8_gemv
-    if kernel is not None and max_rows < 1:
-        raise ValueError(f"max_rows must be >= 1 for a kernel, got {max_rows}")
-    _int8_gemv = None if kernel is None else (kernel, max_rows)
+def register_int8_linear(pack: Int8Pack | None, linear: Int8Linear | None = None) -> None:
+    """Hold CPU int8 weights as ``pack(qweight [N, K] int8) -> packed`` (any layout, K even) and
+    compute ``linear(x [M, K] bf16, packed, scales [N] float32, N) -> [M, N] bf16`` (x @ (qweight
+    * scales[:, None]).T) for any M; None goes back to ATen. Only weights quantized afterwards use
+    it. Both torch ops when compiled graphs are to call them."""
+    global _int8_kernel
+    if pack is not None and linear is None:
+        raise ValueError("register_int8_linear: a pack function needs its linear")
+    _int8_kernel = None if pack is None or linear is None else (pack, linear)
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ (qweight [N, K] * scales[:, None]).T in x's dtype."""
+    """x [..., K] @ (qweight [N, K] * scales[:, None]).T in x's dtype, without a registered
+    kernel: ATen's int8 matmul for up to ``INT8_MM_MAX_ROWS`` rows on CPU, else dequantized."""
     flat = x.reshape(-1, x.shape[-1])
     y: torch.Tensor
-    rows = flat.shape[0]
-    if x.device.type == "cpu" and rows <= INT8_MM_MAX_ROWS:
-        # a symbolic row count (a graph for a range of batch sizes) stays on ATen unless its
-        # range is within the GEMV's: a plain comparison would put a guard inside the range
-        if (_int8_gemv is not None and statically_known_true(rows <= _int8_gemv[1])
-                and x.dtype == scales.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0):
-            y = _int8_gemv[0](flat, qweight, scales)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(flat, qweight, scales.to(x.dtype))
+    if x.device.type == "cpu" and flat.shape[0] <= INT8_MM_MAX_ROWS:
+        y = torch.ops.aten._weight_int8pack_mm(flat, qweight, scales.to(x.dtype))
     else:
         y = F.linear(flat, qweight.to(x.dtype) * scales.to(x.dtype)[:, None])
     return y.reshape(*x.shape[:-1], qweight.shape[0])
+
+
+def int8_rows_limit(model: nn.Module) -> int | None:
+    """Rows up to which ``model``'s int8 layers keep one matmul path (a compiled graph must not
+    straddle a switch): ``INT8_MM_MAX_ROWS`` where some layer runs ATen's, None (any) where
+    every one runs a registered kernel."""
+    layers = [m for m in model.modules() if isinstance(m, QuantizableLinear) and m.qweight is not None]
+    return None if all(m.qlinear is not None for m in layers) else INT8_MM_MAX_ROWS
 
 
 Bf16Pack = Callable[[torch.Tensor], torch.Tensor]
@@ -154,10 +157,11 @@ class QuantizableLinear(nn.Module):
     is dropped unless ``keep_float`` because something else, like a tied embedding, reads it)."""
 
     weight: nn.Parameter
-    qweight: torch.Tensor | None = None
-    qscale: torch.Tensor | None = None
+    qweight: torch.Tensor | None = None  # int8: [N, K], or the registered kernel's layout
+    qscale: torch.Tensor | None = None  # its per-row scales (float32 for the kernel)
+    qlinear: Int8Linear | None = None  # the registered int8 kernel's matmul, else None: ATen's
     packed: torch.Tensor | None = None  # prepacked bf16 weight (the kernel's or oneDNN's layout)
-    packed_out: int = 0  # its output features
+    packed_out: int = 0  # output features of ``packed`` or of the kernel's ``qweight``
     # the registered kernel's matmul when ``packed`` is in its layout (a plain tensor, which
     # compiled graphs take as an input), else None: oneDNN's
     packed_linear: Bf16Linear | None = None
@@ -179,10 +183,15 @@ class QuantizableLinear(nn.Module):
         self._drop_float(keep_float)
 
     def quantize_int8(self, keep_float: bool = False) -> None:
-        q, s = quantize_rows(self.weight)
-        # plain attributes (not in the state dict); scales in the activations' dtype, as both
-        # matmul paths use them (and a conversion inside a compiled graph would not lower)
-        self.qweight, self.qscale = q, s.to(self.weight.dtype)
+        w = self.weight.detach()
+        q, s = quantize_rows(w)
+        # plain attributes (not in the state dict)
+        if (_int8_kernel is not None and w.device.type == "cpu" and w.dtype == torch.bfloat16
+                and w.shape[1] % 2 == 0):
+            pack, self.qlinear = _int8_kernel
+            self.qweight, self.qscale, self.packed_out = pack(q), s, w.shape[0]
+        else:  # ATen's: scales in the activations' dtype (a cast inside a graph would not lower)
+            self.qweight, self.qscale = q, s.to(w.dtype)
         self._drop_float(keep_float)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -198,6 +207,10 @@ class QuantizableLinear(nn.Module):
                 y = _onednn_linear(flat, self.packed)
             return y.reshape(*x.shape[:-1], n)
         if self.qweight is not None and self.qscale is not None:
+            if self.qlinear is not None:
+                flat = x.reshape(-1, x.shape[-1])
+                y = self.qlinear(flat, self.qweight, self.qscale, self.packed_out)
+                return y.reshape(*x.shape[:-1], self.packed_out)
             return int8_linear(x, self.qweight, self.qscale)
         return F.linear(x, self.weight)
 
