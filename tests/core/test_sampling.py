@@ -16,6 +16,7 @@ from minisgl.core.sampling import (
     TorchSampler,
     apply_penalties,
     filter_probs,
+    row_argmax,
     token_counts,
 )
 from minisgl.core.sampling_params import SamplingParams
@@ -251,6 +252,31 @@ def test_greedy_ties_pick_lowest_id() -> None:
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0], [-2.0, -1.0, 0.0, 0.0]])
     out = sampler(4).sample(logits, [make_req(temperature=0.0) for _ in range(3)])
     assert out.tokens.tolist() == [1, 0, 2]
+
+
+@pytest.mark.parametrize("cols", [7, 64, 256, 320, 1000, 49152])  # no block width, one, several
+def test_row_argmax_is_the_first_maximum(cols: int) -> None:
+    """The two-level argmax against a plain-Python scan: first maximum, ties to the lowest id,
+    a NaN counts as the maximum (as torch.argmax), rows of one value."""
+    g = torch.Generator().manual_seed(cols)
+    x = torch.randn(9, cols, generator=g)
+    x[1, cols // 3] = x[1, cols - 1] = 50.0  # a tie across blocks
+    x[2] = 1.5  # every column ties
+    x[3, cols // 2], x[3, 0] = float("nan"), 99.0  # NaN beats the largest number
+    x[4, cols - 1] = float("nan")
+    x[4, cols // 4] = float("nan")
+    x[5] = float("-inf")
+    x[6, : cols // 2] = float("inf")
+
+    def first_max(row: list[float]) -> int:
+        for i, v in enumerate(row):
+            if math.isnan(v):
+                return i
+        return row.index(max(row))
+
+    want = [first_max(r) for r in x.tolist()]
+    assert row_argmax(x).tolist() == want
+    assert x.argmax(dim=-1).tolist() == want  # the reference agrees with torch
 
 
 # -- seeds --------------------------------------------------------------------------------------

