@@ -20,10 +20,9 @@ GIL: on a thread of the serving process it would stall every eager step. So:
   cache; then a background thread of the engine loads them from there (~7 s per bucket). Steps
   run eager until their bucket is ready, and stay eager where compilation failed (logged);
 * ``wait``: compile every bucket in-process before the engine serves (benchmarks, tests);
-* ``off``: never compile. ``auto`` = ``on`` for one CPU rank, ``off`` otherwise. Tensor
-  parallelism compiles with ``wait`` (``on`` becomes ``wait`` there: collectives are ops in the
-  graph, see distributed.py, and a background compile session would flip
-  ``torch.compiler.is_compiling()`` for the rank's eager steps too); GPUs run eager for now;
+* ``off``: never compile. ``auto`` = ``on`` on CPUs (every tensor-parallel rank: each compiles
+  its own graphs, their collectives are ops bound to the rank's group, see distributed.py),
+  ``off`` on GPUs, which run eager for now;
 * the cache lives in ``~/.cache/minisgl/inductor`` (``TORCHINDUCTOR_CACHE_DIR`` overrides it):
   a later start with the same model shapes, dtype and flags finds its graphs there.
 """
@@ -50,7 +49,7 @@ from minisgl.core.distributed import LOCAL, Communicator, bind
 log = logging.getLogger("minisgl.compile")
 
 COMPILE_MODES = ("auto", "on", "off", "wait")
-SMALL_BATCH_MAX = 32  # bucket boundary; also the int8 kernel's row limit (one graph each side)
+SMALL_BATCH_MAX = 32  # bucket boundary; also ATen's int8 matmul row limit (one graph each side)
 DUMMY_KV_LEN = 96  # keys per request in the warm-up batch: any value > 1, unlike any batch size
 
 WORKER_NUM_PAGES = 37  # the compile worker's KV pool: tiny, and a size no other dim has
@@ -138,8 +137,9 @@ class StepGraphs:
                  comm: Communicator | None = None) -> None:
         _use_persistent_cache()
         self._comm = comm or Communicator()  # the group the graphs' collectives run on
-        # a prefill graph's sampled rows range over 2..max_rows (the int8 LM head switches
-        # kernels at INT8_MM_MAX_ROWS rows; a graph covers one side)
+        # a prefill graph's sampled rows range over 2..max_rows (an int8 LM head without the
+        # int8 kernel switches from ATen's matmul at INT8_MM_MAX_ROWS rows; a graph covers one
+        # side)
         self._max_rows = max_rows or max_batch
         self._worker_config = worker_config  # EngineConfig fields for the compile worker
         self._dims, self._dummy = dims, dummy

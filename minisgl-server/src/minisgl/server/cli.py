@@ -47,9 +47,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dist-timeout", type=float, default=defaults["dist_timeout"],
                    help="seconds a TP collective may wait before the deployment fails")
     p.add_argument("--compile", default=None, choices=COMPILE_MODES,
-                   help="torch.compile of the decode step: on = in the background, eager until "
-                        "ready; wait = before serving; auto (default, $MINISGL_COMPILE "
-                        "overrides) = on for one CPU rank, else off; at --tp > 1 on = wait")
+                   help="torch.compile of the decode and prefill steps: on = in the "
+                        "background, eager until ready; wait = before serving; auto (default, "
+                        "$MINISGL_COMPILE overrides) = on for CPU ranks (every TP rank too), "
+                        "off on GPUs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
