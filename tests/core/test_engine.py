@@ -200,3 +200,14 @@ def test_cpu_threads_split_among_local_ranks(tiny_llama: Path, monkeypatch: pyte
     assert cpu_threads(EngineConfig(model=str(tiny_llama), device="cuda", tp_size=2), 2) is None
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
     assert cpu_threads(two, 2) is None  # the user's OpenMP setting wins over the split
+
+
+def test_token_slice_equals_slicing_all_ids() -> None:
+    """Every [start, end) of prompt + output, across the boundary and empty ranges included."""
+    req = Req(prompt_ids=[5, 6, 7], params=SamplingParams())
+    for output in ([], [8], [8, 9, 10]):
+        req.output_ids = list(output)
+        n = len(req.all_ids)
+        for start in range(n + 1):
+            for end in range(start, n + 1):
+                assert req.token_slice(start, end) == req.all_ids[start:end], (output, start, end)

@@ -161,7 +161,7 @@ class Engine:
         kv_lens: list[int] = []
         for req, n in zip(batch.reqs, batch.extend_lens):
             start = req.num_computed
-            ids.extend(req.all_ids[start: start + n])
+            ids.extend(req.token_slice(start, start + n))
             positions.extend(range(start, start + n))
             rows.append(req.table_row)
             kv_lens.append(start + n)

@@ -49,6 +49,16 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_ids[start:end]`` without building all_ids (a decode step needs one token of a
+        context of thousands, for every request)."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p: end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -13,6 +13,8 @@ Workloads (``--scale`` multiplies every length, ``--num-requests`` the request c
   ``--cache naive`` (system ``minisgl-naive``), and HF (bench_prefix.py).
 
 * ``tp`` (not in ``all``): peak memory per rank and step time at TP=1 vs ``--tp`` (bench_tp.py).
+* ``quality`` (not in ``all``): int8 vs unquantized perplexity of a fixed text and greedy chat
+  answers side by side (bench_quality.py).
 * ``burst``: 16 requests x 64 tokens (128-token prompts) at once: output tokens / wall time.
 * ``online``: the HTTP server (``minisgl serve``, started with the engine flags, or ``--url``)
   under 1, 8 and 32 concurrent streaming clients; server over offline throughput (bench_serve.py).
@@ -24,7 +26,8 @@ Q4_1, one request at a time) to offline-mixed, latency and burst.
 is off) to offline-mixed and latency.
 
 Every result is also put next to a ceiling measured in the same run: a matmul in the run's dtype
-(FLOP/s) and a large reduction (memory read GB/s). Progress goes to stderr, the table to stdout.
+(FLOP/s; bf16 and float32 are both measured and printed) and a large reduction (memory read
+GB/s). Progress goes to stderr, the table to stdout.
 """
 
 from __future__ import annotations
@@ -120,13 +123,18 @@ def _best_time(fn: Callable[[], object], reps: int) -> float:
 
 
 def measure_ceilings(dtype: torch.dtype) -> dict[str, float]:
-    """Peak matmul FLOP/s in ``dtype`` (n=2048) and memory read bandwidth (256 MB float32 sum)."""
+    """Peak matmul FLOP/s (n=2048) in bf16 and float32, and memory read bandwidth (256 MB
+    float32 sum). ``matmul_flops`` is the one of ``dtype``, the run's: fractions use it."""
     n = 2048
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    flops = 2 * n ** 3 / _best_time(lambda: a @ b, 10)
+    out: dict[str, float] = {}
+    for dt in (torch.bfloat16, torch.float32):
+        a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
+        out[f"matmul_flops_{str(dt).removeprefix('torch.')}"] = \
+            2 * n ** 3 / _best_time(lambda: a @ b, 10)  # noqa: B023 - called right here
+    out["matmul_flops"] = out[f"matmul_flops_{str(dtype).removeprefix('torch.')}"]
     x = torch.ones(64 * 1024 * 1024, dtype=torch.float32)
-    read = x.numel() * x.element_size() / _best_time(x.sum, 10)
-    return {"matmul_flops": flops, "mem_read_bytes_per_s": read}
+    out["mem_read_bytes_per_s"] = x.numel() * x.element_size() / _best_time(x.sum, 10)
+    return out
 
 
 @dataclass(frozen=True)
@@ -488,8 +496,10 @@ def plot(rows: Sequence[Row], path: str, title: str) -> None:
 def machine_line(info: dict[str, Any], ceilings: dict[str, float]) -> str:
     return (f"machine: {info['cores']} cores, {info['torch_threads']} torch threads, "
             f"dtype {info['dtype']}, torch {info['torch']}, load {info['load_average_1m']}; ceilings: "
-            f"{ceilings['matmul_flops'] / 1e9:.0f} GFLOP/s matmul, "
-            f"{ceilings['mem_read_bytes_per_s'] / 1e9:.1f} GB/s memory read")
+            f"{ceilings['matmul_flops'] / 1e9:.0f} GFLOP/s matmul ("
+            + ", ".join(f"{k.removeprefix('matmul_flops_')} {v / 1e9:.0f}"
+                        for k, v in ceilings.items() if k.startswith("matmul_flops_"))
+            + f"), {ceilings['mem_read_bytes_per_s'] / 1e9:.1f} GB/s memory read")
 
 
 # ---------------------------------------------------------------------------- command
@@ -582,6 +592,10 @@ def _run_workloads(args: argparse.Namespace, workloads: Sequence[str], systems: 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     compare_list(args.compare)  # a bad peer fails before anything loads
+    if args.workload == "quality":  # two engines one after the other (bench_quality.py)
+        from minisgl.server.bench_quality import cmd_quality
+
+        return cmd_quality(args)
     if args.workload == "tp":  # every configuration in its own process (bench_tp.py)
         from minisgl.server.bench_tp import bench_tp
 
@@ -645,10 +659,11 @@ def add_parser(sub: Any) -> None:
         "bench", help="benchmarks (minisgl vs HF)", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p)
-    p.add_argument("workload", nargs="?", choices=[*WORKLOADS, "all", "tp"],
+    p.add_argument("workload", nargs="?", choices=[*WORKLOADS, "all", "tp", "quality"],
                    default="offline-mixed",
-                   help="what to run (default offline-mixed); all = every workload but tp; "
-                        "tp = TP=1 vs TP=--tp memory and step time")
+                   help="what to run (default offline-mixed); all = every workload but tp and "
+                        "quality; tp = TP=1 vs TP=--tp memory and step time; quality = int8 "
+                        "vs unquantized perplexity and chat answers")
     p.add_argument("--compare", default="none", metavar="PEERS",
                    help="comma-separated peers: hf (transformers generate, same prompts and "
                         "dtype), llama-cpp (llama-cpp-python, the bundled Q4_1 GGUF, one request "
@@ -669,4 +684,7 @@ def add_parser(sub: Any) -> None:
                    help="online: concurrent client counts (comma-separated)")
     p.add_argument("--url", default=None,
                    help="online: benchmark this running server instead of starting one")
+    p.add_argument("--text", nargs="+", default=None, metavar="FILE",
+                   help="quality: the text whose perplexity is measured (default: README.md "
+                        "docs/architecture.md of the working directory)")
     p.set_defaults(func=cmd_bench)
