@@ -21,7 +21,7 @@
 // Integer products are exact; y = (sum) * scale_x[m] * scale_w[n] in float32, rounded to bf16.
 // Multiplying int8 weights directly (no conversion to float32, which cost 3 vector ops per 16
 // weights in the previous int8 GEMV) streams a decode step's 121 SmolLM2 int8 weights in
-// 5.9-6.9 ms against 8.6-10.6 on AMD Zen 4 (2 threads; bf16: 10.8-11.4), and lets one kernel
+// 5.9-6.9 ms against 8.6-10.6 on AMD Zen 4 (2 threads; bf16: 11.2-12.9), and lets one kernel
 // serve prefill too: before, more than 32 rows dequantized every weight per call (1024-token
 // int8 prefill 913-1,007 -> 1,138-1,161 tok/s).
 //
