@@ -312,6 +312,39 @@ def test_bf16_linear_matches_float64(rows: int, n: int, k: int) -> None:
     assert torch.equal(torch.ops.minisgl_cpu.bf16_linear(wide[:, :k], packed, n), got)
 
 
+def _shifted(packed: torch.Tensor) -> torch.Tensor:
+    """A copy of ``packed`` whose data starts 32 bytes past a 64-byte boundary."""
+    step = 32 // packed.element_size()
+    buf = torch.empty(packed.numel() + 64 // packed.element_size() + step, dtype=packed.dtype)
+    start = (-buf.data_ptr() % 64) // packed.element_size() + step
+    out = buf[start: start + packed.numel()].view(packed.shape)
+    out.copy_(packed)
+    assert out.data_ptr() % 64 == 32
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (40, 64)])
+def test_linear_misaligned_weight_matches_aligned(rows: int, n: int, k: int) -> None:
+    """The GEMV streams an aligned weight with non-temporal loads and falls back to plain loads
+    on a weight that is not 64-byte aligned: both give the same result."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    ops = torch.ops.minisgl_cpu
+    g = torch.Generator().manual_seed(k + rows)
+    w = torch.randn(n, k, generator=g) / math.sqrt(k)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    packed = ops.bf16_pack(w.bfloat16())
+    assert packed.data_ptr() % 64 == 0
+    want = ops.bf16_linear(x, packed, n)
+    torch.testing.assert_close(want.double(), x.double() @ w.bfloat16().double().T,
+                               rtol=2.0 ** -8, atol=1e-5)
+    assert torch.equal(ops.bf16_linear(x, _shifted(packed), n), want)
+    q, s = quant.quantize_rows(w)
+    packed8 = ops.int8_pack(q)
+    assert packed8.data_ptr() % 64 == 0
+    assert torch.equal(ops.int8_linear(x, _shifted(packed8), s, n), ops.int8_linear(x, packed8, s, n))
+
+
 def test_bf16_linear_zero_rows_and_threads() -> None:
     """No rows gives an empty result; one thread gives what two give (same per-output sums)."""
     assert cpu_kernels.load(), cpu_kernels.load_error
