@@ -5,7 +5,7 @@ slots) and through the torch backend on a paged pool (run_case), where the backe
 kernel; the PyTorch path it falls back to is the one test_attention_conformance checks in float32.
 The bf16 and int8 linear kernels directly (rows of x from the GEMV to many panels, weight shapes
 with tail blocks) and through minisgl.core.layers.quant's layers, which must use them once the
-kernels are loaded.
+kernels are loaded. The sampler's argmax and log-sum-exp against plain Python in float64.
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.backends import cpu_kernels
+from minisgl.core import sampling
 from minisgl.core.layers import quant
+from minisgl.core.request import Req
+from minisgl.core.sampling_params import SamplingParams
 from minisgl.core.testing.attention import run_case
 
 
@@ -416,3 +419,70 @@ def test_bf16_linear_bad_inputs_are_refused() -> None:
         ops.bf16_linear(x, packed, 33)
     with pytest.raises(RuntimeError, match="bf16"):
         ops.bf16_linear(x.float(), packed, 20)
+
+
+@pytest.mark.parametrize("cols", [1, 7, 16, 100, 49152])
+def test_argmax_logsumexp_matches_float64(cols: int) -> None:
+    """Every row's first maximum (a NaN counts as the maximum, as torch.argmax) and log-sum-exp
+    against plain Python in float64: random rows, ties across the row, a row of one value, NaN,
+    +inf, a row of -inf, very negative entries (exp underflows), a strided view."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    g = torch.Generator().manual_seed(cols)
+    x = torch.randn(10, cols, generator=g) * 4
+    x[1, cols // 3] = x[1, cols - 1] = 50.0
+    x[2] = 1.5
+    x[3, cols // 2] = float("nan")
+    x[4, cols - 1] = float("inf")
+    x[5] = float("-inf")
+    x[6, : cols // 2] = -1e30
+    x[7, 0] = -200.0
+
+    def first_max(row: list[float]) -> int:
+        nan = [i for i, v in enumerate(row) if math.isnan(v)]
+        return nan[0] if nan else row.index(max(row))
+
+    def lse(row: list[float]) -> float:
+        m = max(row)
+        if any(math.isnan(v) for v in row):
+            return math.nan
+        if math.isinf(m):
+            return m
+        return m + math.log(math.fsum(math.exp(v - m) for v in row))
+
+    for view in (x, torch.cat([x, x], dim=1)[:, :cols]):
+        index, got = torch.ops.minisgl_cpu.argmax_logsumexp(view)
+        assert index.dtype == torch.int64 and got.dtype == torch.float32
+        rows = view.tolist()
+        assert index.tolist() == [first_max(r) for r in rows]
+        want = torch.tensor([lse(r) for r in rows], dtype=torch.float64)
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert sampling._argmax_lse == torch.ops.minisgl_cpu.argmax_logsumexp.default
+
+
+def test_sampler_with_kernel_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default sampler gives the same tokens and (to float32 rounding) log-probs with the
+    kernel registered and without it, greedy, seeded and penalised rows mixed in one batch."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 1000, generator=g) * 3
+
+    def reqs() -> list[Req]:
+        out = []
+        for i, params in enumerate([{"temperature": 0.0}, {"temperature": 0.8},
+                                    {"temperature": 0.0, "repetition_penalty": 1.3},
+                                    {"temperature": 0.0, "top_logprobs": 3}]):
+            req = Req(prompt_ids=[1, 2, 3], params=SamplingParams(**params))
+            req.generator = torch.Generator().manual_seed(11 + i)
+            req.output_ids = [int(logits[i].argmax())]
+            out.append(req)
+        return out
+
+    sampler = sampling.TorchSampler(1000, torch.device("cpu"))
+    fast = sampler.sample(logits, reqs())
+    monkeypatch.setattr(sampling, "_argmax_lse", None)
+    slow = sampler.sample(logits, reqs())
+    assert torch.equal(fast.tokens, slow.tokens)
+    torch.testing.assert_close(fast.logprobs, slow.logprobs, rtol=1e-6, atol=1e-6)
+    assert fast.top_ids is not None and slow.top_ids is not None
+    assert torch.equal(fast.top_ids, slow.top_ids)
+    torch.testing.assert_close(fast.top_logprobs, slow.top_logprobs, rtol=1e-6, atol=1e-6)

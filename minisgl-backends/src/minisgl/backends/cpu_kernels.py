@@ -11,6 +11,9 @@
   for any number of rows (AVX512-VNNI); ``load()`` registers them with
   ``minisgl.core.layers.quant.register_int8_linear``, so weights quantized afterwards use them in
   place of ATen's int8 matmul (few rows) and per-call dequantization (many).
+- ``argmax_logsumexp`` (cpu_sample.cpp): the greedy token and the log-sum-exp of every row of
+  float32 logits in one call; ``load()`` registers it with
+  ``minisgl.core.sampling.register_argmax_logsumexp`` for the default sampler.
 
 The sources are compiled with the machine's compiler (``-O3 -march=native -fopenmp``) through
 ``torch.utils.cpp_extension`` into ``~/.cache/minisgl/ext/<key>``, the key covering the source,
@@ -35,12 +38,13 @@ from pathlib import Path
 import torch
 
 from minisgl.core.layers.quant import register_bf16_linear, register_int8_linear
+from minisgl.core.sampling import register_argmax_logsumexp
 
 log = logging.getLogger(__name__)
 
 NAME = "minisgl_cpu_attention"
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("cpu_attention.cpp", "cpu_linear.cpp")]
+           for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_sample.cpp")]
 # -fopenmp: at::parallel_for is a header template whose threads are an ``omp parallel`` region
 # compiled into this library; without the flag it runs on one thread (links the libgomp.so.1
 # torch has loaded already: same soname, one thread pool)
@@ -102,6 +106,7 @@ def _load() -> bool:
     ops = torch.ops.minisgl_cpu
     register_bf16_linear(ops.bf16_pack.default, ops.bf16_linear.default)
     register_int8_linear(ops.int8_pack.default, ops.int8_linear.default)
+    register_argmax_logsumexp(ops.argmax_logsumexp.default)
     return True
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -155,6 +155,25 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return block * width + inside
 
 
+ArgmaxLogsumexp = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+_argmax_lse: ArgmaxLogsumexp | None = None
+
+
+def register_argmax_logsumexp(fn: ArgmaxLogsumexp | None) -> None:
+    """``fn(x)`` for CPU float32 logits [B, V] returns ``(x.argmax(-1), x.logsumexp(-1))`` in
+    one call (the CPU kernels register theirs: a decode step's sampling ran ~8 small operators on
+    caches the weights had just flushed); None goes back to torch."""
+    global _argmax_lse
+    _argmax_lse = fn
+
+
+def argmax_logsumexp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first maximum's index and the log-sum-exp of every row of a 2-d float32 tensor."""
+    if _argmax_lse is not None and x.device.type == "cpu" and x.shape[1] > 0:
+        return _argmax_lse(x)
+    return row_argmax(x), x.logsumexp(dim=-1)
+
+
 def _filters_needed(reqs: Sequence[Req]) -> bool:
     return any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in reqs)
 
@@ -173,20 +192,23 @@ class TorchSampler(Sampler):
         if logits.shape[0] != len(reqs):
             raise ValueError(f"logits has {logits.shape[0]} rows for {len(reqs)} requests")
         # A padded lm_head may emit columns past the vocabulary; they are never valid tokens.
-        raw = logits[:, : self.vocab_size].float()
-        penalised = apply_penalties(raw, reqs) if any(r.params.has_penalties for r in reqs) else raw
-        tokens = row_argmax(penalised)  # final for greedy rows
+        raw = logits if logits.shape[1] == self.vocab_size else logits[:, : self.vocab_size]
+        raw = raw.float()
+        tokens, lse = argmax_logsumexp(raw)  # the argmax: final for greedy rows
+        penalised = raw
+        if any(r.params.has_penalties for r in reqs):
+            penalised = apply_penalties(raw, reqs)
+            tokens = row_argmax(penalised)
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rows:
             idx = torch.tensor(rows, dtype=torch.int64, device=raw.device)
             tokens[idx] = self._sample_rows(penalised[idx], [reqs[i] for i in rows])
-        lse = raw.logsumexp(dim=-1, keepdim=True)
-        logprobs = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse.squeeze(1)
+        logprobs = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
         out = SampleOutput(tokens.cpu(), logprobs.cpu())
         k = min(max(r.params.top_logprobs for r in reqs), self.vocab_size)
         if k > 0:
             top, ids = raw.topk(k, dim=-1)
-            out.top_ids, out.top_logprobs = ids.cpu(), (top - lse).cpu()
+            out.top_ids, out.top_logprobs = ids.cpu(), (top - lse[:, None]).cpu()
         return out
 
     def _sample_rows(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
