@@ -148,12 +148,16 @@ class ModelCost:
     bytes_per_param: int
 
     @classmethod
-    def from_config(cls, mc: Any, dtype: torch.dtype) -> ModelCost:
+    def from_config(cls, mc: Any, dtype: torch.dtype, quantization: str | None = None
+                    ) -> ModelCost:
+        """``quantization="int8"``: one byte per weight (every linear layer and the LM head;
+        the per-row scales are ignored)."""
         d, hd = mc.hidden_size, mc.head_dim
         attn = d * hd * (2 * mc.num_heads + 2 * mc.num_kv_heads)
         mlp = 3 * d * mc.intermediate_size
+        size = 1 if quantization == "int8" else torch.empty(0, dtype=dtype).element_size()
         return cls(mc.num_layers * (attn + mlp), mc.vocab_size * d, mc.num_layers,
-                   mc.num_heads * hd, torch.empty(0, dtype=dtype).element_size())
+                   mc.num_heads * hd, size)
 
     def decode_bytes(self) -> int:
         """Weights read by one batch-1 decode step (the lm_head once, tied or not)."""
@@ -614,7 +618,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     log("measuring ceilings (matmul, memory read)")
     ceilings = measure_ceilings(llm.engine.dtype)
     print(machine_line(info, ceilings), flush=True)
-    cost = ModelCost.from_config(llm.engine.model_config, llm.engine.dtype)
+    cost = ModelCost.from_config(llm.engine.model_config, llm.engine.dtype,
+                                 llm.engine.config.quantization)
     ids = normal_token_ids(llm.tokenizer, llm.engine.model_config.vocab_size)
     workloads = WORKLOADS if args.workload == "all" else (args.workload,)
     rows: list[Row] = []

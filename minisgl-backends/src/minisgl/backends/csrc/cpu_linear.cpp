@@ -212,10 +212,13 @@ void micro(const Args& a, int64_t m, int64_t b0, const char* pf, int64_t pf_line
 // The stream is read with non-temporal loads (vmovntdqa) where they are aligned. A plain read of
 // a decode step's 270 MB evicts the whole L3 (32 MB on the host measured), so the code and data
 // of every small op between two GEMVs came back cold from DRAM: a [1, 49152] argmax took 22 us
-// warm, 240-270 us right after a 256 MB read. Measured on AMD Zen 4, SmolLM2 batch-1 decode,
-// the two loads alternating in one process (10 pairs each): bf16 0.94x time per token (13.24 ->
-// 12.64 ms, noisy minutes), int8 0.94x (8.19 -> 7.78); the sampler's argmax after the LM head
-// ~190 -> ~140 us. (prefetchnta ahead of plain loads kept the L3 too, without the speed-up.)
+// warm, 240-270 us right after a 256 MB read. Measured on AMD Zen 4 (a shared VM), SmolLM2
+// batch-1 decode, the two loads alternating in one process: in one hour bf16 0.94x time per
+// token (twice, 10 pairs each: 13.24 -> 12.64 ms) and int8 0.94x (8.19 -> 7.78), the sampler's
+// argmax after the LM head ~190 -> ~140 us; an hour later, the host's memory behaving otherwise
+// (its plain-read ceiling 52-56 instead of 32-34 GB/s, a C++ stream no longer keeping the L3
+// with either load), bf16 0.98x and int8 1.03x (8 pairs): a gain or a wash, never a clear loss.
+// (prefetchnta ahead of plain loads kept the L3 too, without the speed-up.)
 template <class F, int MR, bool NT>
 void gemv_stream(const Args& a, int64_t m, int64_t b0, int64_t b1) {
   constexpr int U = 4;
