@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 NAME = "minisgl_cpu_attention"
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_sample.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "vec_exp.h"]  # part of the build's cache key
 # -fopenmp: at::parallel_for is a header template whose threads are an ``omp parallel`` region
 # compiled into this library; without the flag it runs on one thread (links the libgomp.so.1
 # torch has loaded already: same soname, one thread pool)
@@ -64,7 +65,8 @@ def _cache_dir() -> Path:
         except (OSError, StopIteration):
             pass
     key = hashlib.sha256("\n".join(
-        [*(source.read_text() for source in SOURCES), torch.__version__, platform.machine(), flags,
+        [*(source.read_text() for source in (*SOURCES, *HEADERS)), torch.__version__,
+         platform.machine(), flags,
          *CFLAGS, *LDFLAGS]).encode())
     root = Path(os.environ.get("MINISGL_EXT_DIR", Path.home() / ".cache" / "minisgl" / "ext"))
     return root / key.hexdigest()[:16]

@@ -33,6 +33,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define MINISGL_FAST 1
 #include <immintrin.h>
+
+#include "vec_exp.h"
 #else
 #define MINISGL_FAST 0
 #endif
@@ -46,21 +48,7 @@ constexpr int QB = 16;    // queries per work item
 constexpr int MAXD = 256;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// exp(x) for x <= 0: 2^(x log2 e) = 2^n * 2^f, |f| <= 0.5, degree-6 polynomial (rel. err ~1e-7).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+using minisgl_vec::exp16;
 
 // 16 x 16 transpose of 32-bit words, in place.
 inline void transpose16(__m512i* r) {

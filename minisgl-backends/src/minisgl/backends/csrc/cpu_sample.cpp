@@ -23,6 +23,8 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+#include "vec_exp.h"
 #endif
 
 namespace {
@@ -31,24 +33,6 @@ namespace {
 
 inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-}
-
-// exp(d) for d <= 0 (d = x - max), relative error ~1e-7: d = n ln2 + r, |r| <= ln2 / 2, a
-// degree-6 Taylor polynomial of exp(r), scaled by 2^n. Below -87.3 exp underflows float32 anyway.
-inline __m512 exp_nonpositive(__m512 d) {
-  d = _mm512_max_ps(d, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(d, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), d);  // ln2 in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 void one_row(const float* x, int64_t V, int64_t* index, float* lse) {
@@ -81,7 +65,7 @@ void one_row(const float* x, int64_t V, int64_t* index, float* lse) {
       const __mmask16 eq = _mm512_mask_cmp_ps_mask(m, v, vm, _CMP_EQ_OQ);
       if (eq) first = k + __builtin_ctz(eq);
     }
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(v, vm))));
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, minisgl_vec::exp16(_mm512_sub_ps(v, vm))));
   }
   *index = first;
   *lse = mx + std::log(_mm512_reduce_add_ps(sum));
