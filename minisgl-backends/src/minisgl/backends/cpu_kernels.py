@@ -18,10 +18,10 @@
 The sources are compiled with the machine's compiler (``-O3 -march=native -fopenmp``) through
 ``torch.utils.cpp_extension`` into ``~/.cache/minisgl/ext/<key>``, the key covering the sources
 (and csrc/vec_exp.h), torch's version and the CPU's instruction-set flags, so a later start loads
-the built library in well under a second. Building needs a C++ compiler with OpenMP and ninja (a dependency of this
-package); when either is missing or the build fails, ``load()`` returns False with the reason in
-``load_error`` and the backends keep their pure-PyTorch path. ``MINISGL_CPU_KERNELS=off`` turns
-the kernels off.
+the built library in well under a second. Building needs a C++ compiler with OpenMP and ninja
+(a dependency of this package); when either is missing or the build fails, ``load()`` returns
+False with the reason in ``load_error`` and the backends keep their pure-PyTorch path.
+``MINISGL_CPU_KERNELS=off`` turns the kernels off.
 """
 
 from __future__ import annotations
