@@ -11,6 +11,8 @@ from minisgl.core.kvcache import PageAllocator, ReqToTokenTable
 from minisgl.core.prefix_cache import PrefixCache
 from minisgl.core.request import Req
 
+ROOM_TOKENS = 512  # the most a request's pages leave free behind them for its own growth
+
 
 class KVManager:
     def __init__(self, allocator: PageAllocator, table: ReqToTokenTable, cache: PrefixCache,
@@ -48,10 +50,16 @@ class KVManager:
         need = self.pages_for(num_tokens) - len(req.pages)
         if need <= 0:
             return True
-        pages = self.allocator.alloc(need)
+        # right after its last page where free, else with room to grow into (PageAllocator)
+        after = req.pages[-1] if req.pages else None
+        most = self.pages_for(min(req.max_seq_len, num_tokens + ROOM_TOKENS))
+        room = max(0, most - len(req.pages) - need)
+        pages = self.allocator.alloc(need, after, room)
         if pages is None:
-            self.cache.evict(need - self.allocator.num_free)
-            pages = self.allocator.alloc(need)
+            # evict the room too (least recently used pages, going anyway): what comes free
+            # is then a run, not one page here and there for each request that grows
+            self.cache.evict(need + room - self.allocator.num_free)
+            pages = self.allocator.alloc(need, after, room)
             if pages is None:
                 return False
         self.table.write_pages(req.table_row, len(req.pages), pages, self.page_size)

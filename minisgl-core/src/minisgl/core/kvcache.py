@@ -47,45 +47,86 @@ class KVPool:
 
 
 class PageAllocator:
-    """Free list of page ids (page 0 excluded). Double frees are caught."""
+    """The free pages of the pool (page 0 excluded). Double frees are caught.
+
+    Where pages go matters on CPUs: decode attention streams every request's K/V page by page,
+    and pages that follow each other in memory stream ~1.6x faster than scattered ones (hardware
+    prefetch, fewer TLB misses; docs/benchmarks.md). A plain free list hands out whatever was
+    freed last, so after the prefix cache has evicted for a while every request's pages lie all
+    over the pool. So ``alloc`` places pages in runs:
+
+    * ``after``: a request growing by a page takes the one right after its last (``after``) when
+      that is free;
+    * otherwise the first free run of ``n + room`` pages at or past a cursor (next fit, wrapping
+      once), of which the request takes the first ``n``; the cursor moves past the ``room`` it
+      leaves free behind them, where the same request's next pages will fit (``after``);
+    * otherwise the first free run of ``n``, else the lowest ``n`` free pages.
+    """
 
     def __init__(self, num_pages: int) -> None:
         if num_pages < 2:
             raise ValueError(f"num_pages: need at least 2 pages (1 is scratch), got {num_pages}")
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
-        self._is_free = [False] + [True] * (num_pages - 1)
+        self._free = bytearray(b"\x01") * num_pages  # 1 where free
+        self._free[0] = 0
+        self._num_free = num_pages - 1
+        self._cursor = 1
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def capacity(self) -> int:
         return self.num_pages - 1
 
     def is_free(self, page: int) -> bool:
-        return self._is_free[page]
+        return bool(self._free[page])
 
     def free_pages(self) -> list[int]:
-        """A copy of the free list (duplicates kept, so integrity checks can see a double free)."""
-        return list(self._free)
+        """The free page ids, ascending."""
+        return [p for p, f in enumerate(self._free) if f]
 
-    def alloc(self, n: int) -> list[int] | None:
-        """``n`` pages, or None (and nothing taken) when fewer are free."""
-        if n > len(self._free):
+    def alloc(self, n: int, after: int | None = None, room: int = 0) -> list[int] | None:
+        """``n`` pages, or None (and nothing taken) when fewer are free. ``after``: the page the
+        new ones should follow (the request's last); ``room``: pages the request may still
+        grow by, to be left free after them where possible."""
+        if n > self._num_free:
             return None
-        pages = [self._free.pop() for _ in range(n)]
-        for p in pages:
-            self._is_free[p] = False
+        if n <= 0:
+            return []
+        free, run = self._free, b"\x01" * n
+        if after is not None and 0 < after < self.num_pages and free[after + 1: after + 1 + n] == run:
+            start = after + 1
+        else:
+            start = self._find(b"\x01" * (n + room)) if room > 0 else -1
+            if start < 0:
+                start = self._find(run)
+            if start >= 0:
+                self._cursor = min(start + n + room, self.num_pages - 1)
+        if start >= 0:
+            pages = list(range(start, start + n))
+            free[start: start + n] = bytes(n)
+        else:  # no run of n: the lowest free pages
+            pages, pos = [], 0
+            while len(pages) < n:
+                pos = free.index(1, pos)
+                pages.append(pos)
+                free[pos] = 0
+        self._num_free -= n
         return pages
 
+    def _find(self, run: bytes) -> int:
+        start = self._free.find(run, self._cursor)
+        return start if start >= 0 else self._free.find(run, 1, self._cursor + len(run) - 1)
+
     def free(self, pages: list[int]) -> None:
-        for p in pages:
-            if p <= 0 or p >= self.num_pages or self._is_free[p]:
+        for i, p in enumerate(pages):
+            if p <= 0 or p >= self.num_pages or self._free[p] or p in pages[:i]:
                 raise RuntimeError(f"freeing page {p} that is not allocated")
-            self._is_free[p] = True
-            self._free.append(p)
+        for p in pages:
+            self._free[p] = 1
+        self._num_free += len(pages)
 
 
 class ReqToTokenTable:
