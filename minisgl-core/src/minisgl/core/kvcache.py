@@ -121,9 +121,11 @@ class PageAllocator:
         return start if start >= 0 else self._free.find(run, 1, self._cursor + len(run) - 1)
 
     def free(self, pages: list[int]) -> None:
-        for i, p in enumerate(pages):
-            if p <= 0 or p >= self.num_pages or self._free[p] or p in pages[:i]:
+        seen: set[int] = set()  # checked before any is freed: a bad call changes nothing
+        for p in pages:
+            if p <= 0 or p >= self.num_pages or self._free[p] or p in seen:
                 raise RuntimeError(f"freeing page {p} that is not allocated")
+            seen.add(p)
         for p in pages:
             self._free[p] = 1
         self._num_free += len(pages)
