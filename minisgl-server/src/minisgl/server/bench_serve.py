@@ -2,6 +2,8 @@
 
 Each client streams offline-mixed requests (token-id prompts, greedy, ignore_eos) through the
 native /generate route, whose events carry token ids, so every token's arrival is timed exactly.
+The clients speak plain HTTP/1.1 on asyncio streams, one connection per request: they run on the
+server's machine, where their CPU time is the engine's (``_one``).
 Metrics (as in SGLang's and vLLM's serving benchmarks): request throughput, output tokens/s,
 TTFT, TPOT (decode time per token after the first), ITL (gap between token-bearing events) and
 end-to-end latency, p50 and p99. Right before the server gets the c=32 request set, the offline
