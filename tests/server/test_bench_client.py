@@ -46,7 +46,7 @@ def _chunked(pieces: list[bytes]) -> bytes:
 
 def test_events_split_across_and_packed_into_chunks() -> None:
     """Events cut mid-line, two events in one chunk, a chunk extension, a comment line and an
-    event without tokens: every token still counted once."""
+    event without tokens: every token still counted once. The URL's path prefix is kept."""
     events = [b"data: " + json.dumps({"output_ids": ids}).encode() + b"\n\n"
               for ids in ([5], [], [6, 7], [8])]
     stream = b": keep-alive\n\n" + b"".join(events) + b"data: [DONE]\n\n"
@@ -58,6 +58,7 @@ def test_events_split_across_and_packed_into_chunks() -> None:
 
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             head = await reader.readuntil(b"\r\n\r\n")
+            seen.append(head.split(b"\r\n")[0])
             length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
             seen.append(await reader.readexactly(length))
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
@@ -73,9 +74,10 @@ def test_events_split_across_and_packed_into_chunks() -> None:
         srv = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
         async with srv:
-            traces, _ = await _run_clients(f"http://127.0.0.1:{port}",
+            traces, _ = await _run_clients(f"http://127.0.0.1:{port}/v0/",
                                            Workload("t", [[1, 2, 3]], [4]), 1)
-        body = json.loads(seen[0])
+        assert seen[0] == b"POST /v0/generate HTTP/1.1"  # the URL's path prefix is kept
+        body = json.loads(seen[1])
         assert body["input_ids"] == [1, 2, 3] and body["stream"] is True
         assert body["sampling_params"]["max_tokens"] == 4
         return [len(t.token_times) for t in traces] + [len(traces[0].gaps)]

@@ -52,7 +52,7 @@ class _Trace:
         return (self.e2e - self.ttft) / (n - 1) if n > 1 else None
 
 
-async def _one(host: str, port: int, prompt: list[int], n_out: int) -> _Trace:
+async def _one(host: str, port: int, path: str, prompt: list[int], n_out: int) -> _Trace:
     """One streamed /generate request over its own connection: plain HTTP/1.1 on asyncio
     streams. The clients share the server's machine, and on a small one every CPU-second they
     spend is taken from the engine's threads (measured: a helper's CPU time comes off the
@@ -62,15 +62,15 @@ async def _one(host: str, port: int, prompt: list[int], n_out: int) -> _Trace:
     trace = _Trace(time.perf_counter())
     reader, writer = await asyncio.open_connection(host, port)
     try:
-        writer.write(b"POST /generate HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json"
+        writer.write(b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json"
                      b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
-                     % (host.encode(), port, len(body), body))
+                     % (path.encode(), host.encode(), port, len(body), body))
         status = (await reader.readline()).split(b" ", 2)
         headers = b""
         while (line := await reader.readline()) not in (b"\r\n", b""):
             headers += line.lower()
         if len(status) < 2 or status[1] != b"200":
-            raise RuntimeError(f"/generate answered {b' '.join(status[1:]).decode().strip()}: "
+            raise RuntimeError(f"{path} answered {b' '.join(status[1:]).decode().strip()}: "
                                f"{(await reader.read()).decode(errors='replace')}")
         chunked, buf = b"transfer-encoding: chunked" in headers, b""
         while True:
@@ -104,11 +104,12 @@ async def _run_clients(url: str, wl: Workload, concurrency: int) -> tuple[list[_
     if parts.scheme != "http" or parts.hostname is None:
         raise ValueError(f"--url: the online benchmark speaks plain http://host:port, got {url!r}")
     host, port = parts.hostname, parts.port or 80
+    path = parts.path.rstrip("/") + "/generate"  # the URL's path (a proxy's prefix) comes first
     sem = asyncio.Semaphore(concurrency)
 
     async def guarded(p: list[int], n: int) -> _Trace:
         async with sem:
-            return await _one(host, port, p, n)
+            return await _one(host, port, path, p, n)
 
     t0 = time.perf_counter()
     traces = await asyncio.gather(*(guarded(p, n) for p, n in zip(wl.prompts, wl.output_lens)))
