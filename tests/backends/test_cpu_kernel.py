@@ -192,7 +192,7 @@ def _int8_x_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 # rows and weight shapes as for bf16 below, plus K = 4,200 (qmax below 8191) and an all-zero row
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 21, 300])
 @pytest.mark.parametrize(("n", "k"), [(1, 2), (3, 34), (40, 64), (4, 64), (960, 576),
                                       (577, 1536), (200, 96), (50, 4200)])
 def test_int8_linear_matches_float64(rows: int, n: int, k: int) -> None:
@@ -294,7 +294,7 @@ def test_int8_linear_bad_inputs_are_refused() -> None:
 # rows: one microkernel pass (<= 6), a pass and a tail, many passes; the weights: fewer outputs
 # than a block (16), a tail block, a thread's share not a multiple of the 4-block panel, SmolLM2
 # shapes, and (4, 64) with 300 rows: too few blocks to split, so the rows are split instead
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 300])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 21, 300])
 @pytest.mark.parametrize(("n", "k"), [(1, 2), (3, 34), (40, 64), (4, 64), (960, 576),
                                       (577, 1536), (200, 96)])
 def test_bf16_linear_matches_float64(rows: int, n: int, k: int) -> None:
