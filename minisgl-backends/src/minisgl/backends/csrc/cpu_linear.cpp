@@ -283,10 +283,11 @@ constexpr std::array<MicroFn<F>, sizeof...(I)> micro_table(std::integer_sequence
 }
 
 // rows m0 .. m1 of x against blocks b0 .. b1: panels of kNR blocks outer (kept in L2), kMR rows
-// of x inner. With several chunks of rows per panel, the chunks also prefetch the next panel
-// (contiguous: blocks follow each other), a share each, so that its first chunk does not
-// wait for DRAM: measured in bf16 on a decode step's 121 SmolLM2 weights, 8 rows 14.6 -> 10.4
-// ms, 16 rows 19.3 -> 13.8, 32 rows 30.2 -> 25.3, 64 and 128 rows -7-8%.
+// of x inner. The chunks also prefetch the next panel (contiguous: blocks follow each other), a
+// share each, so that its first chunk does not wait for DRAM: measured in bf16 on a decode
+// step's 121 SmolLM2 weights, 8 rows 14.6 -> 10.4 ms, 16 rows 19.3 -> 13.8, 32 rows 30.2 ->
+// 25.3, 64 and 128 rows -7-8%; and for a single chunk (5 or 6 rows), which did not prefetch
+// until 2026-12-02: 5 rows 8.47 -> 7.94 ms, 6 rows 8.56 -> 7.66 (9 alternating passes).
 template <class F>
 void rows(const Args& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
   static constexpr auto kGemv = gemv_table<F>(std::make_integer_sequence<int, kGemvRows>{});
@@ -307,7 +308,7 @@ void rows(const Args& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; b += kNR) {
     const int64_t nr = std::min<int64_t>(kNR, b1 - b);
     const char* next = a.w + (b + nr) * a.K2 * F::kLineBytes;
-    const int64_t lines = chunks > 1 ? std::min<int64_t>(kNR, b1 - b - nr) * block_lines : 0;
+    const int64_t lines = std::min<int64_t>(kNR, b1 - b - nr) * block_lines;
     const int64_t share = (lines + chunks - 1) / chunks;  // lines per chunk
     const int64_t per = (share + a.K2 - 1) / a.K2;        // per pair of inputs
     for (int64_t m = m0, c = 0; m < m1; m += mr_of(c), ++c) {
