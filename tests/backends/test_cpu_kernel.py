@@ -291,9 +291,10 @@ def test_int8_linear_bad_inputs_are_refused() -> None:
         ops.int8_linear(x, packed, s[:4], 20)
 
 
-# rows: one microkernel pass (<= 6), a pass and a tail, many passes; the weights: fewer outputs
-# than a block (16), a tail block, a thread's share not a multiple of the 4-block panel, SmolLM2
-# shapes, and (4, 64) with 300 rows: too few blocks to split, so the rows are split instead
+# rows: one microkernel pass (<= 6), passes split evenly (7, 13, 21), many passes; the weights:
+# fewer outputs than a block (16), a tail block, a thread's share not a multiple of the 4-block
+# panel, SmolLM2 shapes, and (4, 64) with 300 rows: too few blocks to split, so the rows are
+# split instead
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 21, 300])
 @pytest.mark.parametrize(("n", "k"), [(1, 2), (3, 34), (40, 64), (4, 64), (960, 576),
                                       (577, 1536), (200, 96)])

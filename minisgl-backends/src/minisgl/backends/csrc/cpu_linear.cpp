@@ -288,6 +288,7 @@ constexpr std::array<MicroFn<F>, sizeof...(I)> micro_table(std::integer_sequence
 // step's 121 SmolLM2 weights, 8 rows 14.6 -> 10.4 ms, 16 rows 19.3 -> 13.8, 32 rows 30.2 ->
 // 25.3, 64 and 128 rows -7-8%; and for a single chunk (5 or 6 rows), which did not prefetch
 // until 2026-12-02: 5 rows 8.47 -> 7.94 ms, 6 rows 8.56 -> 7.66 (9 alternating passes).
+// Prefetching 2 or 3 panels ahead instead: 3-10% slower from 8 to 32 rows.
 template <class F>
 void rows(const Args& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
   static constexpr auto kGemv = gemv_table<F>(std::make_integer_sequence<int, kGemvRows>{});
@@ -301,18 +302,16 @@ void rows(const Args& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
   // rows split evenly over the chunks (21 = 6 + 5 + 5 + 5, not 6 + 6 + 6 + 3: a short last
   // chunk does few multiply-adds per weight load). Measured in bf16 on a decode step's 121
   // SmolLM2 weights, 9 alternating passes: 8 rows 8.29 -> 7.81 ms, 21 rows 9.03 -> 8.49, 32 rows
-  // 12.49 -> 11.85, 64 rows 21.94 -> 21.91. (Prefetching 2 or 3 panels ahead instead of 1:
-  // 3-10% slower from 8 to 32 rows.)
+  // 12.49 -> 11.85, 64 rows 21.94 -> 21.91.
   const int64_t base = (m1 - m0) / chunks, extra = (m1 - m0) % chunks;
-  auto mr_of = [&](int64_t c) { return base + (c < extra ? 1 : 0); };
   for (int64_t b = b0; b < b1; b += kNR) {
     const int64_t nr = std::min<int64_t>(kNR, b1 - b);
     const char* next = a.w + (b + nr) * a.K2 * F::kLineBytes;
     const int64_t lines = std::min<int64_t>(kNR, b1 - b - nr) * block_lines;
     const int64_t share = (lines + chunks - 1) / chunks;  // lines per chunk
     const int64_t per = (share + a.K2 - 1) / a.K2;        // per pair of inputs
-    for (int64_t m = m0, c = 0; m < m1; m += mr_of(c), ++c) {
-      const int64_t mr = mr_of(c);
+    for (int64_t m = m0, c = 0; c < chunks; m += base + (c < extra), ++c) {
+      const int64_t mr = base + (c < extra);
       const int64_t first = std::min(lines, c * share);
       kMicro[(mr - 1) * kNR + (nr - 1)](a, m, b, next + first * 64,
                                         std::min(share, lines - first), per);
