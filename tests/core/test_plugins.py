@@ -81,7 +81,8 @@ def test_builtins_and_fixture_register_through_entry_points() -> None:
     for ep, package in {**BUILTIN, "fixture": FIXTURE_PKG}.items():
         info = pm.plugins[ep]
         assert info.package == package and info.version == "0.1.0"
-    assert pm.plugins["models"].registers["models"] == ["LlamaForCausalLM", "Qwen3ForCausalLM"]
+    assert pm.plugins["models"].registers["models"] == [
+        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
     assert pm.plugins["backends"].registers == {"attention_backends": ["torch"]}
     assert pm.plugins["core"].registers == {"samplers": ["default"], "schedulers": ["fcfs", "lpm"]}
     assert pm.plugins["fixture"].registers == {"models": ["FixtureLlamaForCausalLM"],

@@ -38,7 +38,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
 @dataclass(frozen=True)
 class TinySpec:
     name: str
-    arch: str  # "llama" | "qwen3"
+    arch: str  # "llama" | "qwen2" | "qwen3" | "mistral"
     tied: bool
     seed: int
     layers: int = 2
@@ -69,6 +69,11 @@ SPECS = [
     TinySpec("qwen3-tied", "qwen3", tied=True, seed=3, head_dim=32),
     TinySpec("qwen3-untied", "qwen3", tied=False, seed=8, layers=3, hidden=48, heads=6,
              kv_heads=2, head_dim=16),
+    # biases on q/k/v but not on o_proj, tied like Qwen2.5-0.5B, rope theta 1e6 like Qwen2.5
+    TinySpec("qwen2-tied", "qwen2", tied=True, seed=9, heads=4, kv_heads=2,
+             rope={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Mistral's config (its sliding window, 4096 by default, is past every test context)
+    TinySpec("mistral-untied", "mistral", tied=False, seed=10),
     # the first spec's architecture again, saved in many shards (model.safetensors.index.json)
     TinySpec("llama-llama3-sharded", "llama", tied=False, seed=5, layers=2, rope=LLAMA3_ROPE,
              max_shard_size="40KB"),
@@ -77,7 +82,7 @@ SPEC_BY_NAME = {s.name: s for s in SPECS}
 
 
 def _hf_config(spec: TinySpec) -> Any:
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common: dict[str, Any] = dict(
         vocab_size=VOCAB, hidden_size=spec.hidden, intermediate_size=2 * spec.hidden,
@@ -88,9 +93,11 @@ def _hf_config(spec: TinySpec) -> Any:
     )
     if spec.head_dim is not None:
         common["head_dim"] = spec.head_dim
-    if spec.arch == "llama":
-        return LlamaConfig(**common)
-    return Qwen3Config(**common)
+    if spec.arch in ("qwen2", "mistral"):
+        del common["attention_bias"]  # fixed by the architecture
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "mistral": MistralConfig}[spec.arch]
+    return cls(**common)
 
 
 @torch.no_grad()
@@ -108,10 +115,12 @@ def _redraw_weights(model: Any, seed: int) -> None:
 
 
 def save_tiny(spec: TinySpec, path: Path) -> Path:
-    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+    import transformers
 
+    cls = getattr(transformers, {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3",
+                                 "mistral": "Mistral"}[spec.arch] + "ForCausalLM")
     with torch_threads(1):
-        return _save_tiny(spec, path, LlamaForCausalLM if spec.arch == "llama" else Qwen3ForCausalLM)
+        return _save_tiny(spec, path, cls)
 
 
 def _save_tiny(spec: TinySpec, path: Path, cls: Any) -> Path:

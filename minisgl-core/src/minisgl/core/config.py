@@ -43,6 +43,9 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
     hf_dtype: str | None
+    # a sliding attention window on some layer (Mistral v0.1, Qwen2 with use_sliding_window);
+    # the engine caps the context at it, where windowed attention equals full attention
+    sliding_window: int | None = None
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     hf: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -93,9 +96,24 @@ class ModelConfig:
             attention_bias=bool(hf.get("attention_bias", False)),
             eos_token_ids=tuple(eos),
             hf_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            sliding_window=_sliding_window(hf),
             generation_defaults=gen_defaults,
             hf=hf,
         )
+
+
+def _sliding_window(hf: dict[str, Any]) -> int | None:
+    """The window of a config whose layers (any of them) attend to the last N tokens only."""
+    window = hf.get("sliding_window")
+    if window is None:
+        return None
+    if "layer_types" in hf:  # transformers >= 4.53 names each layer's kind
+        return int(window) if "sliding_attention" in hf["layer_types"] else None
+    if "use_sliding_window" in hf:  # Qwen2: off unless asked for, then from max_window_layers on
+        layers = int(hf["num_hidden_layers"])
+        if not hf["use_sliding_window"] or int(hf.get("max_window_layers", layers)) >= layers:
+            return None
+    return int(window)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

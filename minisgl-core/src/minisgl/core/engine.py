@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,8 @@ from minisgl.core.plugins import PluginManager, get_plugin_manager
 from minisgl.core.request import Batch, Req
 from minisgl.core.sampling import SampleOutput, Sampler
 from minisgl.core.weights import iter_weights
+
+log = logging.getLogger("minisgl.engine")
 
 
 @contextlib.contextmanager
@@ -59,8 +62,13 @@ class Engine:
         self.model.load_weights(iter_weights(mc.path))
         self.model.eval()
 
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
+        limit = mc.max_position_embeddings
+        if mc.sliding_window is not None and mc.sliding_window < limit:
+            # no windowed attention kernels: within the window it equals full attention
+            limit = mc.sliding_window
+            log.warning("%s attends to a sliding window of %d tokens: contexts are capped at "
+                        "%d tokens", mc.architecture, limit, limit)
+        self.max_model_len = min(config.max_model_len or limit, limit)
         page = config.page_size
         tp = self.comm.world_size
         kv_heads = mc.num_kv_heads // tp if mc.num_kv_heads >= tp else 1

@@ -1,6 +1,10 @@
-"""Llama (and SmolLM2): GQA, RoPE with llama3 scaling, tied or untied LM head."""
+"""Llama (and SmolLM2): GQA, RoPE with llama3 scaling, tied or untied LM head.
+
+Qwen2, Qwen3 and Mistral are this layout with another ``Variant`` (their own modules)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -24,18 +28,27 @@ from minisgl.core.model import CausalLM
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class Variant:
+    """What the architectures of the Llama family change in its layers."""
+
+    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
+    qkv_bias: bool | None = None  # biases on q/k/v; None: the config's attention_bias
+    o_bias: bool | None = None  # a bias on o_proj; None: the config's attention_bias
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, comm: Communicator, qk_norm: bool) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, comm: Communicator, variant: Variant) -> None:
         super().__init__()
         d = cfg.head_dim
+        qkv_bias, o_bias = (cfg.attention_bias if b is None else b
+                            for b in (variant.qkv_bias, variant.o_bias))
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads,
-                                          cfg.attention_bias, comm)
+                                          qkv_bias, comm)
         self.heads, self.kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.attention_bias,
-                                        comm, "o_proj")
-        # Qwen3 normalises each head of q and k before RoPE
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, o_bias, comm, "o_proj")
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if variant.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if variant.qk_norm else None
         self.attn = AttentionLayer(layer_id, self.heads, self.kv_heads, d)
         self.head_dim = d
 
@@ -63,9 +76,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, comm: Communicator, qk_norm: bool) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, comm: Communicator, variant: Variant) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, comm, qk_norm)
+        self.self_attn = LlamaAttention(cfg, layer_id, comm, variant)
         self.mlp = LlamaMLP(cfg, comm)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -79,11 +92,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, qk_norm: bool) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Communicator, variant: Variant) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, comm, qk_norm) for i in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, i, comm, variant) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # one cos/sin table for all layers, looked up once per forward
@@ -100,7 +113,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    qk_norm = False
+    variant = Variant()
     stacked_params = {
         ".q_proj.": (".qkv_proj.", 0),
         ".k_proj.": (".qkv_proj.", 1),
@@ -111,7 +124,7 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig, comm: Communicator) -> None:
         super().__init__(config, comm)
-        self.model = LlamaModel(config, comm, self.qk_norm)
+        self.model = LlamaModel(config, comm, self.variant)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, comm)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

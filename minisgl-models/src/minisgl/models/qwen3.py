@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from minisgl.models.llama import LlamaForCausalLM
+from minisgl.models.llama import LlamaForCausalLM, Variant
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    qk_norm = True
+    variant = Variant(qk_norm=True)
