@@ -1,7 +1,8 @@
 """Tensor parallelism offline: ``LLM(tp=N)`` against ``LLM(tp=1)`` and HF transformers.
 
 Every tiny checkpoint of conftest.SPECS splits 2 ways (GQA 4/2 and 6/2 shard the KV heads, MQA 4/1
-replicates its one KV head on both ranks; tied and untied vocab-parallel heads). They run with
+replicates its one KV head on both ranks; tied and untied vocab-parallel heads; Qwen2's q/k/v
+biases split with their heads). They run with
 page size 4 and 24-token prefill chunks, so prompts up to 150 tokens are prefilled in pieces.
 
 Measured float32 logits of every sampled row (8 prompts x 32 greedy steps per checkpoint, chunked
