@@ -9,10 +9,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+import httpx
 
 from minisgl.core import LLM, SamplingParams
 
-from .conftest import Server
+from .conftest import BASE_ARGS, Server, wait_dead
 
 
 class Shell:
@@ -108,3 +111,39 @@ def test_ctrl_c_stops_a_reply_and_frees_its_pages(server: Server) -> None:
         assert sh.close() == 0
     finally:
         sh.close()
+
+
+def test_started_server_is_out_of_ctrl_c_reach_and_in_the_callers_session(tmp_path: Path) -> None:
+    """What ``minisgl shell`` and ``minisgl bench online`` rely on when they start a server: Ctrl-C
+    at the terminal (SIGINT to the foreground process group) does not reach it, and it shares
+    their session (Linux schedules a session's processes as one autogroup)."""
+    marker = tmp_path / "started"
+    code = ("import sys, time; from minisgl.server.shell import start_server; "
+            "p, url = start_server(sys.argv[2:]); "
+            "open(sys.argv[1], 'w').write(f'{p.pid} {url}'); time.sleep(600)")
+
+    def foreground_group() -> None:  # the caller stands for a terminal's foreground job
+        os.setpgrp()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    caller = subprocess.Popen([sys.executable, "-c", code, str(marker), *BASE_ARGS],
+                              stdout=subprocess.DEVNULL, preexec_fn=foreground_group)
+    pid = None
+    try:
+        deadline = time.monotonic() + 180
+        while not marker.exists() or not marker.read_text():
+            assert caller.poll() is None and time.monotonic() < deadline, "no server started"
+            time.sleep(0.2)
+        pid_text, url = marker.read_text().split()
+        pid = int(pid_text)
+        assert os.getsid(pid) == os.getsid(caller.pid)
+        assert os.getpgid(pid) == pid != os.getpgid(caller.pid)
+        os.killpg(caller.pid, signal.SIGINT)  # Ctrl-C
+        assert caller.wait(30) != 0
+        assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}
+    finally:
+        caller.kill()
+        caller.wait(30)
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)
+            assert wait_dead([pid], 30) == [], "the server did not stop on SIGTERM"
