@@ -3,7 +3,9 @@
 Each client streams offline-mixed requests (token-id prompts, greedy, ignore_eos) through the
 native /generate route, whose events carry token ids, so every token's arrival is timed exactly.
 The clients speak plain HTTP/1.1 on asyncio streams, one connection per request: they run on the
-server's machine, where their CPU time is the engine's (``_one``).
+server's machine, where their CPU time is the engine's (``_one``). A server the benchmark starts
+shares its session, so the kernel's autogroup scheduling gives the clients no CPU share of their
+own (``shell.start_server``).
 Metrics (as in SGLang's and vLLM's serving benchmarks): request throughput, output tokens/s,
 TTFT, TPOT (decode time per token after the first), ITL (gap between token-bearing events) and
 end-to-end latency, p50 and p99. Right before the server gets the c=32 request set, the offline
