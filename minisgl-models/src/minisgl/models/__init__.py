@@ -1,1 +1,1 @@
-"""minisgl model plugin: Llama and Qwen3 families."""
+"""minisgl model plugin: the Llama family (Llama, SmolLM2, Qwen2, Qwen3, Mistral)."""
