@@ -81,9 +81,17 @@ SPECS = [
 SPEC_BY_NAME = {s.name: s for s in SPECS}
 
 
-def _hf_config(spec: TinySpec) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+# TinySpec.arch -> the prefix of its transformers classes (LlamaConfig, LlamaForCausalLM, ...)
+HF_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
 
+
+def _hf_class(spec: TinySpec, suffix: str) -> Any:
+    import transformers
+
+    return getattr(transformers, HF_PREFIX[spec.arch] + suffix)
+
+
+def _hf_config(spec: TinySpec) -> Any:
     common: dict[str, Any] = dict(
         vocab_size=VOCAB, hidden_size=spec.hidden, intermediate_size=2 * spec.hidden,
         num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
@@ -95,9 +103,7 @@ def _hf_config(spec: TinySpec) -> Any:
         common["head_dim"] = spec.head_dim
     if spec.arch in ("qwen2", "mistral"):
         del common["attention_bias"]  # fixed by the architecture
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-           "mistral": MistralConfig}[spec.arch]
-    return cls(**common)
+    return _hf_class(spec, "Config")(**common)
 
 
 @torch.no_grad()
@@ -114,18 +120,18 @@ def _redraw_weights(model: Any, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
 
 
-def save_tiny(spec: TinySpec, path: Path) -> Path:
-    import transformers
-
-    cls = getattr(transformers, {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3",
-                                 "mistral": "Mistral"}[spec.arch] + "ForCausalLM")
+def save_tiny(spec: TinySpec, path: Path, **config: Any) -> Path:
+    """The spec's checkpoint in ``path``; ``config`` overrides fields of its HF config."""
     with torch_threads(1):
-        return _save_tiny(spec, path, cls)
+        return _save_tiny(spec, path, config)
 
 
-def _save_tiny(spec: TinySpec, path: Path, cls: Any) -> Path:
+def _save_tiny(spec: TinySpec, path: Path, overrides: dict[str, Any]) -> Path:
     torch.manual_seed(spec.seed)
-    model = cls(_hf_config(spec)).eval()
+    hf_config = _hf_config(spec)
+    for key, value in overrides.items():
+        setattr(hf_config, key, value)
+    model = _hf_class(spec, "ForCausalLM")(hf_config).eval()
     _redraw_weights(model, spec.seed)
     if spec.tied:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()

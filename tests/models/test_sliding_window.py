@@ -15,7 +15,7 @@ import torch
 from minisgl.core import LLM
 from minisgl.core.config import ModelConfig
 
-from .conftest import SPEC_BY_NAME, _hf_config, _redraw_weights
+from .conftest import SPEC_BY_NAME, save_tiny
 from .reference import greedy, hf_greedy, hf_logits, make_prompts, torch_threads
 
 WINDOW = 48
@@ -50,18 +50,8 @@ def test_which_configs_have_a_window(tmp_path: Path, extra: dict[str, Any],
 @pytest.fixture(scope="module")
 def windowed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Mistral whose window (48) is shorter than its 512 positions."""
-    from transformers import MistralForCausalLM
-
-    spec = SPEC_BY_NAME["mistral-untied"]
-    path = tmp_path_factory.mktemp("mistral-window")
-    with torch_threads(1):
-        torch.manual_seed(spec.seed)
-        config = _hf_config(spec)
-        config.sliding_window = WINDOW
-        model = MistralForCausalLM(config)
-        _redraw_weights(model.eval(), spec.seed)
-        model.save_pretrained(path)
-    return path
+    return save_tiny(SPEC_BY_NAME["mistral-untied"], tmp_path_factory.mktemp("mistral-window"),
+                     sliding_window=WINDOW)
 
 
 def test_the_window_matters_past_it(windowed: Path) -> None:
