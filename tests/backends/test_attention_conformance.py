@@ -45,6 +45,25 @@ def test_bfloat16(attention_backend: str) -> None:
              new_lens=[6, 12], phase="prefill", dtype=torch.bfloat16, atol=3e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the CPU kernel
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("phase", "prefix_lens", "new_lens"), [
+    ("prefill", [0, 0, 0], [1, 17, 40]),
+    ("prefill", [16, 3, 70, 0], [5, 30, 1, 9]),
+    ("decode", [0, 1, 15, 16, 100, 63, 300], [1] * 7),
+])
+def test_sliding_window(attention_backend: str, dtype: torch.dtype, page_size: int, phase: str,
+                        prefix_lens: list[int], new_lens: list[int]) -> None:
+    """A layer with a sliding window of 12 keys, shorter than most of these requests."""
+    from minisgl.core.plugins import get_plugin_manager
+
+    if not get_plugin_manager().attention_backends.get(attention_backend).supports_sliding_window:
+        pytest.skip(f"{attention_backend} has no sliding windows (the engine caps contexts)")
+    run_case(attention_backend, page_size=page_size, num_heads=9, num_kv_heads=3, head_dim=64,
+             prefix_lens=prefix_lens, new_lens=new_lens, phase=phase, dtype=dtype,
+             atol=2e-5 if dtype == torch.float32 else 3e-2, window=12)
+
+
 def test_reference_is_not_trivial() -> None:
     """The reference itself: one query over one key returns that value; causality holds."""
     from minisgl.core.testing.attention import reference_attention
@@ -53,3 +72,6 @@ def test_reference_is_not_trivial() -> None:
     out = reference_attention(q, k, v, 0.5).view(3, 2, 4)
     assert torch.allclose(out[0], v[0].double().expand(2, 4))  # first position sees only itself
     assert not torch.allclose(out[2], v[2].double().expand(2, 4))
+    # a window of 1: every position sees only itself
+    out = reference_attention(q, k, v, 0.5, window=1).view(3, 2, 4)
+    assert torch.allclose(out, v.double().expand(3, 2, 4))

@@ -43,9 +43,10 @@ def test_kernel_builds_and_loads() -> None:
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-              kv_lens: list[int], q_lens: list[int], scale: float) -> torch.Tensor:
+              kv_lens: list[int], q_lens: list[int], scale: float, window: int = 0
+              ) -> torch.Tensor:
     """float64, one query and one head at a time: query i of request b sees its first
-    kv_len - q_len + i + 1 keys."""
+    seen = kv_len - q_len + i + 1 keys, or with a window only the last ``window`` of those."""
     heads, group = q.shape[1], q.shape[1] // k.shape[0]
     out = torch.zeros(q.shape, dtype=torch.float64)
     row = 0
@@ -54,9 +55,10 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
         kk, vv = k[:, s].double(), v[:, s].double()
         for i in range(n):
             seen = kv_len - n + i + 1
+            first = max(0, seen - window) if window else 0
             for h in range(heads):
-                scores = kk[h // group, :seen] @ q[row + i, h].double() * scale
-                out[row + i, h] = scores.softmax(0) @ vv[h // group, :seen]
+                scores = kk[h // group, first:seen] @ q[row + i, h].double() * scale
+                out[row + i, h] = scores.softmax(0) @ vv[h // group, first:seen]
         row += n
     return out
 
@@ -101,6 +103,54 @@ def test_matches_float64(case: str, kv_heads: int, group: int, head_dim: int) ->
         enable_gqa=True)[0].transpose(0, 1)
     err_sdpa = (sdpa.double() - ref[:n]).abs().max().item()
     assert (out[:n].double() - ref[:n]).abs().max().item() <= 2 * err_sdpa + 2e-3
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("window", [1, 7, 16, 50])
+def test_sliding_window_matches_float64(case: str, window: int) -> None:
+    """A sliding window: each query sees its last ``window`` keys only (windows shorter than,
+    equal to and not a multiple of the kernel's 16-key blocks; split-K decode over a window)."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    gen = torch.Generator().manual_seed(2)
+    lens = CASES[case]
+    q_lens, kv_lens = [a for a, _ in lens], [b for _, b in lens]
+    kv_heads, group, head_dim, pool = 3, 3, 64, 4096
+    k = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
+    v = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
+    q = (2 * torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen)).bfloat16()
+    lk = max(kv_lens) + 5
+    slots = torch.stack([torch.randperm(pool - 1, generator=gen)[:lk] + 1 for _ in lens])
+    ql = torch.tensor(q_lens)
+    scale = 1 / math.sqrt(head_dim)
+    out = cpu_kernels.paged_attention(q, k, v, slots, torch.tensor(kv_lens),
+                                      torch.cumsum(ql, 0) - ql, ql, scale, window)
+    ref = reference(q, k, v, slots, kv_lens, q_lens, scale, window)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+    if max(kv_lens) > window:  # the window changed the answer
+        full = reference(q, k, v, slots, kv_lens, q_lens, scale)
+        assert (full - ref).abs().max().item() > 0.1
+
+
+def test_sliding_window_does_not_read_keys_before_it() -> None:
+    """Keys before every query's window are NaN: a kernel that read (or multiplied by zero)
+    any of them would return NaN."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    gen = torch.Generator().manual_seed(3)
+    window, kv_lens, q_lens = 20, [300, 300, 64], [1, 1, 30]
+    k = torch.randn(2, 1024, 64, generator=gen).bfloat16()
+    v = torch.randn(2, 1024, 64, generator=gen).bfloat16()
+    slots = torch.arange(1, 1 + 3 * 320).view(3, 320)
+    for b, (kv_len, n) in enumerate(zip(kv_lens, q_lens)):
+        stale = slots[b, :kv_len - n + 1 - window]  # before the first query's window
+        k[:, stale] = float("nan")
+        v[:, stale] = float("nan")
+    q = torch.randn(sum(q_lens), 4, 64, generator=gen).bfloat16()
+    ql = torch.tensor(q_lens)
+    out = cpu_kernels.paged_attention(q, k, v, slots, torch.tensor(kv_lens),
+                                      torch.cumsum(ql, 0) - ql, ql, 0.125, window)
+    assert not out.isnan().any()
+    ref = reference(q, k, v, slots, kv_lens, q_lens, 0.125, window)
+    assert (out.double() - ref).abs().max().item() < 2e-2
 
 
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (1, 8, 32), (2, 1, 128)])
@@ -176,6 +226,8 @@ def test_bad_inputs_are_refused() -> None:
         cpu_kernels.paged_attention(q, k, v, slots, torch.full((2,), 9), starts, one, 1.0)
     with pytest.raises(RuntimeError, match="int64"):
         cpu_kernels.paged_attention(q, k, v, slots.int(), lens, starts, one, 1.0)
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        cpu_kernels.paged_attention(q, k, v, slots, lens, starts, one, 1.0, -1)
 
 
 def _int8_x_reference(x: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,7 @@ class TinySpec:
                                                           "rope_theta": 10000.0})
     attention_bias: bool = False
     max_shard_size: str | None = None  # set: sharded checkpoint with an index.json
+    hf: dict[str, Any] = field(default_factory=dict)  # fields of its HF config set after the rest
 
     def __str__(self) -> str:
         return self.name
@@ -74,6 +75,11 @@ SPECS = [
              rope={"rope_type": "default", "rope_theta": 1000000.0}),
     # Mistral's config (its sliding window, 4096 by default, is past every test context)
     TinySpec("mistral-untied", "mistral", tied=False, seed=10),
+    # Qwen2 with its sliding window on (24 keys, most prompts are longer) from layer 1 of 3:
+    # full and windowed layers in one model
+    TinySpec("qwen2-window", "qwen2", tied=False, seed=11, layers=3, hf={
+        "sliding_window": 24, "use_sliding_window": True, "max_window_layers": 1,
+        "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]}),
     # the first spec's architecture again, saved in many shards (model.safetensors.index.json)
     TinySpec("llama-llama3-sharded", "llama", tied=False, seed=5, layers=2, rope=LLAMA3_ROPE,
              max_shard_size="40KB"),
@@ -129,7 +135,7 @@ def save_tiny(spec: TinySpec, path: Path, **config: Any) -> Path:
 def _save_tiny(spec: TinySpec, path: Path, overrides: dict[str, Any]) -> Path:
     torch.manual_seed(spec.seed)
     hf_config = _hf_config(spec)
-    for key, value in overrides.items():
+    for key, value in {**spec.hf, **overrides}.items():
         setattr(hf_config, key, value)
     model = _hf_class(spec, "ForCausalLM")(hf_config).eval()
     _redraw_weights(model, spec.seed)

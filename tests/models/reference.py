@@ -108,7 +108,8 @@ def greedy(max_tokens: int) -> SamplingParams:
 def make_engine(path: str | Path, backend: str, **kw: Any) -> Engine:
     kw.setdefault("page_size", 16)
     kw.setdefault("num_pages", 4096 // kw["page_size"] + 1)
-    return Engine(EngineConfig(model=str(path), dtype="float32", attention_backend=backend, **kw))
+    kw.setdefault("dtype", "float32")
+    return Engine(EngineConfig(model=str(path), attention_backend=backend, **kw))
 
 
 def assert_all_free(engine: Engine, scheduler: Scheduler | None = None) -> None:

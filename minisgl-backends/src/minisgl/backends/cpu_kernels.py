@@ -1,8 +1,8 @@
 """CPU kernels in C++ (csrc/), built on first use into one library, ``torch.ops.minisgl_cpu``.
 
 - ``paged_attention`` (cpu_attention.cpp): prefill, extend and decode over the paged KV pool,
-  read in place, for bf16 on CPUs with AVX512-BF16 (vdpbf16ps; Intel since Cooper Lake, AMD
-  since Zen 4).
+  read in place, with or without a sliding window, for bf16 on CPUs with AVX512-BF16
+  (vdpbf16ps; Intel since Cooper Lake, AMD since Zen 4).
 - ``bf16_pack`` / ``bf16_linear`` (cpu_linear.cpp): bf16 weights in the kernel's own blocked
   layout and the matmul over it, for any number of rows (AVX512-BF16); ``load()`` registers them
   with ``minisgl.core.layers.quant.register_bf16_linear``, so weights converted afterwards (the
@@ -130,7 +130,8 @@ def _build(library: Path) -> None:
 
 def _register_fake() -> None:
     @torch.library.register_fake("minisgl_cpu::paged_attention")
-    def _(q, k, v, slots, kv_lens, q_start, q_lens, scale):  # type: ignore[no-untyped-def]
+    def _(q, k, v, slots, kv_lens, q_start, q_lens, scale,  # type: ignore[no-untyped-def]
+          window=0):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("minisgl_cpu::int8_linear")
@@ -150,13 +151,14 @@ def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: in
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                     kv_lens: torch.Tensor, q_start: torch.Tensor, q_lens: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, window: int = 0) -> torch.Tensor:
     """Causal attention of a batch's new tokens over their requests' pool slots, in place.
 
     q [T, H, D] bf16 (request b's queries are rows q_start[b] .. + q_lens[b], the last q_lens[b]
     of its kv_lens[b] positions); k, v [KVH, S, D] bf16, the pool with the new K/V already
     written; slots [B, Lk] int64 (row b's first kv_lens[b] entries are its slots in position
-    order). Returns [T, H, D]."""
+    order). ``window`` > 0: a query at position p sees keys p - window + 1 .. p only (a sliding
+    window; its keys further back are not read). Returns [T, H, D]."""
     out: torch.Tensor = torch.ops.minisgl_cpu.paged_attention(q, k, v, slots, kv_lens, q_start,
-                                                              q_lens, scale)
+                                                              q_lens, scale, window)
     return out

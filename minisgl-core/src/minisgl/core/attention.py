@@ -35,11 +35,18 @@ class BatchLayout:
 class AttentionBackend(abc.ABC):
     """One instance per engine. ``prepare`` once per step, ``forward`` once per layer."""
 
+    #: Whether ``forward`` honours ``windows``. For a model with sliding-window layers, an
+    #: engine whose backend does not caps every context at the window instead.
+    supports_sliding_window: bool = False
+
     def __init__(self, kv: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float, device: torch.device) -> None:
         self.kv, self.device = kv, device
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        # per layer: a query at position p attends to keys p - w + 1 .. p only (w > 0), or to
+        # all of 0 .. p (w = 0); set by the engine after construction, before ``prepare``
+        self.windows: list[int] = [0] * len(kv.k)
 
     @abc.abstractmethod
     def prepare(self, layout: BatchLayout) -> Any:
@@ -50,7 +57,8 @@ class AttentionBackend(abc.ABC):
                 meta: Any) -> torch.Tensor:
         """Write k/v ([T, kv_heads, head_dim]) to the pool, attend with q ([T, heads, head_dim]).
 
-        Returns [T, heads * head_dim]. Causal over each request's cached prefix + new tokens.
+        Returns [T, heads * head_dim]. Causal over each request's cached prefix + new tokens,
+        within ``windows[layer]`` where the backend supports windows.
         """
 
     def decode_dims(self, meta: Any) -> list[tuple[torch.Tensor, int, str]] | None:

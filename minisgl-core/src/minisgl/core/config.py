@@ -43,11 +43,17 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
     hf_dtype: str | None
-    # a sliding attention window on some layer (Mistral v0.1, Qwen2 with use_sliding_window);
-    # the engine caps the context at it, where windowed attention equals full attention
+    # a sliding attention window (Mistral v0.1, Qwen2 with use_sliding_window): the layers in
+    # sliding_layers attend to their last sliding_window keys only (layer_windows)
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     hf: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def layer_windows(self) -> list[int]:
+        """Per layer, the keys it attends to back from each query: the window, or 0 for all."""
+        return [self.sliding_window if self.sliding_window and i in self.sliding_layers else 0
+                for i in range(self.num_layers)]
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
@@ -78,6 +84,7 @@ class ModelConfig:
         # sampling defaults for requests that leave these fields out (the server's; vLLM's set)
         gen_defaults: dict[str, Any] = {k: gen[k] for k in GENERATION_DEFAULTS
                                         if gen.get(k) is not None}
+        window, window_layers = _sliding_window(hf)
         return cls(
             path=str(p),
             architecture=archs[0],
@@ -96,24 +103,27 @@ class ModelConfig:
             attention_bias=bool(hf.get("attention_bias", False)),
             eos_token_ids=tuple(eos),
             hf_dtype=hf.get("torch_dtype") or hf.get("dtype"),
-            sliding_window=_sliding_window(hf),
+            sliding_window=window,
+            sliding_layers=window_layers,
             generation_defaults=gen_defaults,
             hf=hf,
         )
 
 
-def _sliding_window(hf: dict[str, Any]) -> int | None:
-    """The window of a config whose layers (any of them) attend to the last N tokens only."""
-    window = hf.get("sliding_window")
+def _sliding_window(hf: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
+    """The window of a config whose layers (any of them) attend to the last N tokens only, and
+    those layers; (None, ()) without one."""
+    window, layers = hf.get("sliding_window"), int(hf["num_hidden_layers"])
     if window is None:
-        return None
+        return None, ()
     if "layer_types" in hf:  # transformers >= 4.53 names each layer's kind
-        return int(window) if "sliding_attention" in hf["layer_types"] else None
-    if "use_sliding_window" in hf:  # Qwen2: off unless asked for, then from max_window_layers on
-        layers = int(hf["num_hidden_layers"])
-        if not hf["use_sliding_window"] or int(hf.get("max_window_layers", layers)) >= layers:
-            return None
-    return int(window)
+        which = tuple(i for i, t in enumerate(hf["layer_types"]) if t == "sliding_attention")
+    elif "use_sliding_window" in hf:  # Qwen2: off unless asked for, then from max_window_layers on
+        first = int(hf.get("max_window_layers", layers))
+        which = tuple(range(first, layers)) if hf["use_sliding_window"] else ()
+    else:  # Mistral: every layer
+        which = tuple(range(layers))
+    return (int(window), which) if which else (None, ())
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

@@ -62,12 +62,16 @@ class Engine:
         self.model.load_weights(iter_weights(mc.path))
         self.model.eval()
 
+        backend_cls = pm.attention_backends.get(config.attention_backend)
         limit = mc.max_position_embeddings
-        if mc.sliding_window is not None and mc.sliding_window < limit:
-            # no windowed attention kernels: within the window it equals full attention
-            limit = mc.sliding_window
-            log.warning("%s attends to a sliding window of %d tokens: contexts are capped at "
-                        "%d tokens", mc.architecture, limit, limit)
+        window = mc.sliding_window or limit
+        windowed = window < limit
+        if windowed and not backend_cls.supports_sliding_window:
+            # within the window, windowed attention equals the full attention the backend has
+            limit = window
+            log.warning("%s attends to a sliding window of %d tokens and attention backend %r "
+                        "has none: contexts are capped at %d tokens", mc.architecture, limit,
+                        config.attention_backend, limit)
         self.max_model_len = min(config.max_model_len or limit, limit)
         page = config.page_size
         tp = self.comm.world_size
@@ -79,9 +83,10 @@ class Engine:
         self.allocator = PageAllocator(num_pages)
         self.table = ReqToTokenTable(config.max_running_requests,
                                      -(-self.max_model_len // page) * page, self.device)
-        backend_cls = pm.attention_backends.get(config.attention_backend)
         self.backend: AttentionBackend = backend_cls(
             self.kv, mc.num_heads // tp, kv_heads, mc.head_dim, mc.head_dim ** -0.5, self.device)
+        if windowed and backend_cls.supports_sliding_window:
+            self.backend.windows = mc.layer_windows()
         # after the backend, which may register kernels for the linear layers (quant.py)
         if config.quantization == "int8":
             quantize_model_int8(self.model)

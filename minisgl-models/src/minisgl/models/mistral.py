@@ -1,5 +1,5 @@
-"""Mistral: the Llama layout. A sliding attention window caps the context at the window
-(``ModelConfig.sliding_window``), where windowed and full attention are the same."""
+"""Mistral: the Llama layout. Mistral v0.1's sliding attention window (every layer,
+``ModelConfig.sliding_window``) is the attention backend's to apply (``AttentionBackend.windows``)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@
 // [KVH, S, D] bf16 (minisgl.core.kvcache.KVPool, already holding the new tokens' K/V), read in
 // place; slots [B, Lk] int64 (row b: request b's pool slots in position order); kv_lens [B];
 // q_start, q_lens [B] (request b's queries are rows q_start[b] ... of q, the last q_lens[b]
-// positions of its kv_lens[b]). Causal: query i of b sees keys 0 .. kv_lens[b] - q_lens[b] + i.
+// positions of its kv_lens[b]). Causal: query i of b (at position p = kv_lens[b] - q_lens[b] + i)
+// sees keys 0 .. p, or with a sliding window W > 0 only the last W of them, p - W + 1 .. p.
 //
 // Work items are (request, kv head, block of up to 16 queries, key split); a query block's rows
 // are its queries x the G query heads that share the kv head. Per item, keys go by in blocks of
@@ -15,7 +16,8 @@
 // with fewer items than threads split each request's keys (split-K) and merge the parts.
 // Decode requests whose slot rows begin with the same slots (a prefix the radix cache shares)
 // form groups: one item runs the shared keys for the queries of up to 16 of them, each request
-// runs its own keys after, and the parts merge as in split-K.
+// runs its own keys after, and the parts merge as in split-K (not with a window: every request
+// sees keys of its own range).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -138,21 +140,24 @@ inline void prefetch_rows(const uint16_t* kh, const uint16_t* vh, const int64_t*
 void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
               const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
               int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
-              int64_t S, int64_t G, int64_t D, float scale, float* O, float* m, float* l) {
+              int64_t S, int64_t G, int64_t D, float scale, int64_t window, float* O, float* m,
+              float* l) {
   const int64_t R = it.nq * G, P = D / 2, Z = D / 16;
   alignas(64) static thread_local __m512i kt[MAXD / 2];
   alignas(64) static thread_local __m512i vp[KB / 2 * MAXD / 16];
   alignas(64) static thread_local uint16_t pb[QB * 8][KB];  // P of each row, bf16
   static thread_local std::vector<const int32_t*> qrow;
-  static thread_local std::vector<int64_t> lim;
+  static thread_local std::vector<int64_t> lim, low;
   qrow.resize(R);
   lim.resize(R);
+  low.resize(R);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t i = it.q0 + r / G, g = r % G;
     const int64_t row = it.mn > 0 ? q_start[members[it.m0 + r / G]] : qrow0 + i;
     qrow[r] = reinterpret_cast<const int32_t*>(q + (row * H + it.h * G + g) * D);
     // keys [k0, lim) are visible to row r (all of a shared prefix to a decode query)
     lim[r] = it.mn > 0 ? it.k1 : std::min(it.k1, prefix + i + 1);
+    low[r] = window > 0 ? std::max<int64_t>(0, prefix + i + 1 - window) : 0;  // and from here
     m[r] = NEG_INF;
     l[r] = 0.f;
   }
@@ -199,11 +204,13 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
       for (int rr = 0; rr < nr; ++rr) {
         const int64_t r = r0 + rr;
         const int64_t visible = std::clamp<int64_t>(lim[r] - kb, 0, nk);
-        if (visible == 0) {
+        const int64_t hidden = std::clamp<int64_t>(low[r] - kb, 0, nk);  // before the window
+        if (visible <= hidden) {
           std::memset(pb[r], 0, sizeof(pb[r]));
           continue;
         }
-        const __mmask16 mask = static_cast<__mmask16>((1u << visible) - 1);
+        const __mmask16 mask =
+            static_cast<__mmask16>(((1u << visible) - 1) & ~((1u << hidden) - 1));
         __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_INF), mask,
                                       _mm512_mul_ps(s[rr], _mm512_set1_ps(scale)));
         const float mx = std::max(m[r], _mm512_reduce_max_ps(x));
@@ -259,7 +266,8 @@ bool available() { return MINISGL_FAST; }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& slots, const at::Tensor& kv_lens,
-                           const at::Tensor& q_start, const at::Tensor& q_lens, double scale) {
+                           const at::Tensor& q_start, const at::Tensor& q_lens, double scale,
+                           int64_t window) {
   TORCH_CHECK(MINISGL_FAST, "minisgl_cpu: built without AVX512-BF16");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q: [T, H, D]; k, v: [KVH, S, D]");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "inputs must be contiguous");
@@ -269,6 +277,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(q.size(2) % 32 == 0 && q.size(2) <= 256, "head_dim must be a multiple of 32, <= 256");
   TORCH_CHECK(q.size(1) % k.size(0) == 0 && q.size(1) / k.size(0) <= 8,
               "query heads must be 1-8 times the kv heads");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window), got ", window);
   for (const at::Tensor* t : {&slots, &kv_lens, &q_start, &q_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "index tensors: contiguous int64");
   const int64_t B = slots.size(0);
@@ -292,14 +301,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   // Few items (small decode batches): split each request's keys so every thread has work.
   const int64_t threads = at::get_num_threads();
   int64_t splits = 1;
-  if (max_q == 1 && work < 4 * threads)
-    splits = std::clamp<int64_t>((4 * threads + work - 1) / work, 1, std::max<int64_t>(1, max_kv / 64));
+  if (max_q == 1 && work < 4 * threads) {
+    const int64_t keys = window > 0 ? std::min(max_kv, window) : max_kv;  // per query at most
+    splits = std::clamp<int64_t>((4 * threads + work - 1) / work, 1, std::max<int64_t>(1, keys / 64));
+  }
   const int64_t* sp = slots.data_ptr<int64_t>();
   std::vector<Item> items;
   std::vector<int64_t> members;
   std::vector<int64_t> shared(B, 0);  // keys of request b run in its group's shared items
   int64_t parts = 0;
-  if (max_q == 1) {
+  if (max_q == 1 && window == 0) {
     // Decode requests whose slot rows start alike share a cached prefix: its K/V blocks are
     // loaded and transposed once for the queries of up to QB requests instead of once each.
     std::vector<int64_t> order(B);
@@ -336,12 +347,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       for (int64_t q0 = 0; q0 < ql[b]; q0 += QB) {
         const int64_t nq = std::min<int64_t>(QB, ql[b] - q0);
         const int64_t end = prefix + q0 + nq;  // keys the block's last query sees
+        // and the first one its first query sees
+        const int64_t begin = window > 0 ? std::max<int64_t>(0, prefix + q0 + 1 - window) : 0;
         if (splits == 1) {
-          items.push_back({b, h, q0, nq, 0, end, -1});
+          items.push_back({b, h, q0, nq, begin, end, -1});
           continue;
         }
-        const int64_t chunk = ((end + splits - 1) / splits + KB - 1) / KB * KB;
-        for (int64_t k0 = 0; k0 < end; k0 += chunk)
+        const int64_t chunk = ((end - begin + splits - 1) / splits + KB - 1) / KB * KB;
+        for (int64_t k0 = begin; k0 < end; k0 += chunk)
           items.push_back({b, h, q0, nq, k0, std::min(end, k0 + chunk), parts++});
       }
   }
@@ -378,7 +391,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
         Ob = lb + G;
       }
       run_item(it, qp, kp, vp, sp, Lk, prefix, qs[it.b], members.data(), qs, H, S, G, D, fscale,
-               Ob, mb, lb);
+               window, Ob, mb, lb);
       for (int64_t j = 0; j < it.mn; ++j) {  // a shared item's rows to its members' parts
         float* dst = part.data() + (it.part + j) * stride;
         std::copy(mb + j * G, mb + (j + 1) * G, dst);
@@ -432,7 +445,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 TORCH_LIBRARY(minisgl_cpu, m) {
   m.def("available() -> bool", &available);
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor kv_lens, "
-        "Tensor q_start, Tensor q_lens, float scale) -> Tensor");
+        "Tensor q_start, Tensor q_lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minisgl_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

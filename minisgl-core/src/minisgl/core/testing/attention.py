@@ -16,11 +16,12 @@ from minisgl.core.kvcache import KVPool, ReqToTokenTable
 from minisgl.core.plugins import get_plugin_manager
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-                        ) -> torch.Tensor:
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        window: int = 0) -> torch.Tensor:
     """float64 causal attention of the last q.shape[0] positions of one request over k/v.
 
-    q: [n, H, D]; k, v: [L, KVH, D] (the whole sequence, new tokens last). Returns [n, H * D].
+    q: [n, H, D]; k, v: [L, KVH, D] (the whole sequence, new tokens last). ``window`` > 0: the
+    query at position p sees keys p - window + 1 .. p only. Returns [n, H * D].
     """
     n, heads, d = q.shape
     length, kv_heads = k.shape[0], k.shape[1]
@@ -29,18 +30,21 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     v = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
     q_pos = torch.arange(length - n, length)[:, None]
-    scores = scores.masked_fill(torch.arange(length)[None, :] > q_pos, float("-inf"))
+    k_pos = torch.arange(length)[None, :]
+    hidden = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window else False)
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, heads * d)
 
 
 def run_case(backend: str, *, page_size: int, num_heads: int, num_kv_heads: int,
              prefix_lens: list[int], new_lens: list[int], phase: str, head_dim: int = 16,
              dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
-             atol: float = 2e-5) -> None:
+             atol: float = 2e-5, window: int = 0) -> None:
     """One batch: requests with ``prefix_lens`` tokens already cached and ``new_lens`` new ones.
 
     Checks the output against :func:`reference_attention` and that the new K/V landed in the
-    request's slots; raises AssertionError otherwise.
+    request's slots; raises AssertionError otherwise. ``window`` > 0: the layer has a sliding
+    window (for a backend with ``supports_sliding_window``).
     """
     gen = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
@@ -71,6 +75,9 @@ def run_case(backend: str, *, page_size: int, num_heads: int, num_kv_heads: int,
     scale = head_dim ** -0.5
     cls = get_plugin_manager().attention_backends.get(backend)
     impl: AttentionBackend = cls(pool, num_heads, num_kv_heads, head_dim, scale, dev)
+    if window:
+        assert impl.supports_sliding_window, f"backend {backend!r} has no sliding windows"
+        impl.windows = [window]
     layout = BatchLayout(phase, list(new_lens), totals, rows, table.table, torch.cat(out_loc))
     meta = impl.prepare(layout)
     q = randn(sum(new_lens), num_heads, head_dim)
@@ -80,7 +87,8 @@ def run_case(backend: str, *, page_size: int, num_heads: int, num_kv_heads: int,
     assert out.shape == (sum(new_lens), num_heads * head_dim), f"output shape {tuple(out.shape)}"
     start = 0
     for i, n in enumerate(new_lens):
-        ref = reference_attention(q[start:start + n].cpu(), seqs_k[i].cpu(), seqs_v[i].cpu(), scale)
+        ref = reference_attention(q[start:start + n].cpu(), seqs_k[i].cpu(), seqs_v[i].cpu(),
+                                  scale, window)
         got = out[start:start + n].double().cpu()
         err = (got - ref).abs().max().item()
         assert err <= atol, f"request {i} (prefix {prefix_lens[i]}, new {n}): max abs err {err}"
