@@ -554,6 +554,19 @@ def test_generate(server: Server, llm: LLM, stream: bool, prompt_kind: str) -> N
     assert meta["completion_tokens"] == len(want.token_ids)
 
 
+def test_generate_takes_sglangs_max_new_tokens(server: Server, llm: LLM) -> None:
+    """SGLang's native API names the length limit max_new_tokens: the same as max_tokens here."""
+    want = offline_text(llm, TEXTS[2], greedy(7, ignore_eos=True))
+    for extra in ({}, {"max_tokens": 7}):
+        sp = {"temperature": 0, "max_new_tokens": 7, "ignore_eos": True, **extra}
+        r = httpx.post(server.url + "/generate", timeout=120,
+                       json={"text": TEXTS[2], "sampling_params": sp})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["output_ids"] == want.token_ids and len(want.token_ids) == 7
+        assert out["meta_info"]["finish_reason"] == "length"
+
+
 def test_generate_logprobs(server: Server, llm: LLM) -> None:
     want = offline_text(llm, TEXTS[1], greedy(6, top_logprobs=2, ignore_eos=True))
     r = httpx.post(server.url + "/generate", timeout=120, json={
@@ -794,6 +807,12 @@ BAD = [
         "sampling_params.top_logprobs", None, ()),
     bad("generate-n", "POST", GEN, {"text": "hi", "sampling_params": {"n": 3}}, 400,
         "sampling_params.n", None, ()),
+    bad("generate-max_new_tokens-zero", "POST", GEN,
+        {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, 400,
+        "sampling_params.max_new_tokens", None, ()),
+    bad("generate-max_new_tokens-vs-max_tokens", "POST", GEN,
+        {"text": "hi", "sampling_params": {"max_new_tokens": 3, "max_tokens": 4}}, 400,
+        "sampling_params.max_new_tokens", None, ("max_tokens",)),
     bad("generate-both-prompts", "POST", GEN, {"text": "hi", "input_ids": [1]}, 400, "text", None,
         ()),
     bad("generate-no-prompt", "POST", GEN, {"sampling_params": {}}, 400, "text", None, ()),

@@ -248,7 +248,14 @@ def parse_generate(body: Any, info: ModelInfo) -> Parsed:
     sp = b.get("sampling_params") or {}
     if not isinstance(sp, dict):
         raise _bad("sampling_params", "must be an object", sp)
-    inner = _Body({k: v for k, v in sp.items() if k not in ("model", "stream", "stream_options")})
+    fields = {k: v for k, v in sp.items() if k not in ("model", "stream", "stream_options")}
+    alias = "max_new_tokens" in fields  # SGLang's name for max_tokens on its native /generate
+    if alias:
+        if fields.get("max_tokens", fields["max_new_tokens"]) != fields["max_new_tokens"]:
+            raise _bad("sampling_params.max_new_tokens", "must equal max_tokens where both are "
+                       "given", fields["max_new_tokens"])
+        fields["max_tokens"] = fields.pop("max_new_tokens")
+    inner = _Body(fields)
     try:  # the sampling fields are OpenAI's, one level down
         out = _common(inner, info, default_max_tokens=None)
         if out.n != 1:
@@ -256,9 +263,13 @@ def parse_generate(body: Any, info: ModelInfo) -> Parsed:
         top = inner.int("top_logprobs", 0, 20)
         out.logprobs = bool(inner.bool("logprobs")) or bool(top)
     except APIError as e:
+        if alias and e.param == "max_tokens":
+            e.message, e.param = "max_new_tokens" + e.message[len("max_tokens"):], "max_new_tokens"
         if e.param is not None:
             e.message, e.param = f"sampling_params.{e.message}", f"sampling_params.{e.param}"
         raise
+    if alias:
+        out.max_tokens_name = "max_new_tokens"
     out.params.top_logprobs, out.params.logprobs = top or 0, out.logprobs
     out.stream = bool(b.bool("stream"))
     text, ids = b.get("text"), b.get("input_ids")
