@@ -73,24 +73,39 @@ CASES = {
 }
 
 
+def _random_batch(case: str, kv_heads: int, group: int, head_dim: int, seed: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CASES[case] as kernel inputs: q, the pool's k and v (random bf16) and each request's
+    slots, random and a few longer than its kv_len (entries past it must never be read)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = CASES[case]
+    pool = 4096
+    k = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
+    v = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
+    q = (2 * torch.randn(sum(a for a, _ in lens), kv_heads * group, head_dim,
+                         generator=gen)).bfloat16()
+    lk = max(b for _, b in lens) + 5
+    slots = torch.stack([torch.randperm(pool - 1, generator=gen)[:lk] + 1 for _ in lens])
+    return q, k, v, slots
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+            kv_lens: list[int], q_lens: list[int], scale: float, window: int = 0) -> torch.Tensor:
+    """The kernel on requests whose queries lie back to back in q."""
+    ql = torch.tensor(q_lens)
+    return cpu_kernels.paged_attention(q, k, v, slots, torch.tensor(kv_lens),
+                                       torch.cumsum(ql, 0) - ql, ql, scale, window)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim"),
                          [(3, 3, 64), (2, 2, 128), (1, 8, 32), (4, 1, 64), (2, 4, 256)])
 def test_matches_float64(case: str, kv_heads: int, group: int, head_dim: int) -> None:
     assert cpu_kernels.load(), cpu_kernels.load_error
-    gen = torch.Generator().manual_seed(0)
-    lens = CASES[case]
-    q_lens, kv_lens = [a for a, _ in lens], [b for _, b in lens]
-    pool = 4096
-    k = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
-    v = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
-    q = (2 * torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen)).bfloat16()
-    lk = max(kv_lens) + 5  # entries past a request's kv_len must never be read
-    slots = torch.stack([torch.randperm(pool - 1, generator=gen)[:lk] + 1 for _ in lens])
-    ql = torch.tensor(q_lens)
+    q_lens, kv_lens = [a for a, _ in CASES[case]], [b for _, b in CASES[case]]
+    q, k, v, slots = _random_batch(case, kv_heads, group, head_dim, seed=0)
     scale = 1 / math.sqrt(head_dim)
-    out = cpu_kernels.paged_attention(q, k, v, slots, torch.tensor(kv_lens),
-                                      torch.cumsum(ql, 0) - ql, ql, scale)
+    out = _attend(q, k, v, slots, kv_lens, q_lens, scale)
     ref = reference(q, k, v, slots, kv_lens, q_lens, scale)
     # bf16 output rounding alone is up to ~4e-3 for these magnitudes; P goes through bf16 too
     assert (out.double() - ref).abs().max().item() < 2e-2
@@ -111,19 +126,10 @@ def test_sliding_window_matches_float64(case: str, window: int) -> None:
     """A sliding window: each query sees its last ``window`` keys only (windows shorter than,
     equal to and not a multiple of the kernel's 16-key blocks; split-K decode over a window)."""
     assert cpu_kernels.load(), cpu_kernels.load_error
-    gen = torch.Generator().manual_seed(2)
-    lens = CASES[case]
-    q_lens, kv_lens = [a for a, _ in lens], [b for _, b in lens]
-    kv_heads, group, head_dim, pool = 3, 3, 64, 4096
-    k = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
-    v = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
-    q = (2 * torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen)).bfloat16()
-    lk = max(kv_lens) + 5
-    slots = torch.stack([torch.randperm(pool - 1, generator=gen)[:lk] + 1 for _ in lens])
-    ql = torch.tensor(q_lens)
-    scale = 1 / math.sqrt(head_dim)
-    out = cpu_kernels.paged_attention(q, k, v, slots, torch.tensor(kv_lens),
-                                      torch.cumsum(ql, 0) - ql, ql, scale, window)
+    q_lens, kv_lens = [a for a, _ in CASES[case]], [b for _, b in CASES[case]]
+    q, k, v, slots = _random_batch(case, 3, 3, 64, seed=2)
+    scale = 1 / math.sqrt(64)
+    out = _attend(q, k, v, slots, kv_lens, q_lens, scale, window)
     ref = reference(q, k, v, slots, kv_lens, q_lens, scale, window)
     assert (out.double() - ref).abs().max().item() < 2e-2
     if max(kv_lens) > window:  # the window changed the answer
@@ -145,9 +151,7 @@ def test_sliding_window_does_not_read_keys_before_it() -> None:
         k[:, stale] = float("nan")
         v[:, stale] = float("nan")
     q = torch.randn(sum(q_lens), 4, 64, generator=gen).bfloat16()
-    ql = torch.tensor(q_lens)
-    out = cpu_kernels.paged_attention(q, k, v, slots, torch.tensor(kv_lens),
-                                      torch.cumsum(ql, 0) - ql, ql, 0.125, window)
+    out = _attend(q, k, v, slots, kv_lens, q_lens, 0.125, window)
     assert not out.isnan().any()
     ref = reference(q, k, v, slots, kv_lens, q_lens, 0.125, window)
     assert (out.double() - ref).abs().max().item() < 2e-2

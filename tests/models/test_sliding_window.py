@@ -7,6 +7,7 @@ of its three layers) also runs the whole HF reference matrix (test_hf_reference.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -72,24 +73,39 @@ def windowed(tmp_path_factory: pytest.TempPathFactory) -> Path:
                      sliding_window=WINDOW, head_dim=32)
 
 
+@functools.cache
+def _full_attention(path: Path) -> Any:
+    """The checkpoint in HF (float32, eager) with its window off: full attention everywhere."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads((path / "config.json").read_text())
+    off: dict[str, Any] = {"sliding_window": None}  # Mistral
+    if "use_sliding_window" in cfg:  # Qwen2
+        off["use_sliding_window"] = False
+    if "layer_types" in cfg:
+        off["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", **off).eval()
+
+
+@torch.no_grad()
+def _full_attention_logits(path: Path, seq: list[int]) -> torch.Tensor:
+    """The last row of HF's logits for seq with full attention (see _full_attention)."""
+    return _full_attention(path)(torch.tensor([seq])).logits[0, -1].float()
+
+
 @pytest.mark.parametrize("name", ["mistral", "qwen2"])
 def test_hf_applies_the_window(windowed: Path, tiny_dirs: dict[str, Path], name: str) -> None:
     """HF's windowed logits equal full attention's up to the window and differ past it: the
     references below check windows, not just attention."""
-    from transformers import AutoModelForCausalLM
-
     path, window = (windowed, WINDOW) if name == "mistral" else (tiny_dirs["qwen2-window"], 24)
     seq = make_prompts([window + 20], 256, seed=7)[0]
-    off: dict[str, Any] = ({"sliding_window": None} if name == "mistral" else
-                           {"use_sliding_window": False, "layer_types": ["full_attention"] * 3})
-    full = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", **off).eval()
-    with torch.no_grad():
-        def diff(n: int) -> float:
-            ref = full(torch.tensor([seq[:n]])).logits[0, -1].float()
-            return float((hf_logits(path, seq[:n])[-1] - ref).abs().max())
 
-        assert diff(window) < 1e-4
-        assert diff(window + 20) > 1e-2
+    def diff(n: int) -> float:
+        ref = _full_attention_logits(path, seq[:n])
+        return float((hf_logits(path, seq[:n])[-1] - ref).abs().max())
+
+    assert diff(window) < 1e-4
+    assert diff(window + 20) > 1e-2
 
 
 @pytest.mark.parametrize(("page_size", "max_prefill_tokens"), [(16, 4096), (1, 20), (16, 40)],
@@ -127,10 +143,6 @@ def test_bf16_kernel_past_the_window(windowed: Path, compile_mode: str) -> None:
     assert isinstance(backend, TorchNativeBackend)
     if not backend.uses_cpu_kernel:
         pytest.skip("no CPU attention kernel on this machine")
-    from transformers import AutoModelForCausalLM
-
-    full = AutoModelForCausalLM.from_pretrained(windowed, sliding_window=None,
-                                                attn_implementation="eager").eval()
     scheduler = Scheduler(engine)
     submit(scheduler, make_prompts([5, WINDOW, 3 * WINDOW], 256, seed=3), greedy(40))
     with record_logits(engine) as records:
@@ -145,9 +157,7 @@ def test_bf16_kernel_past_the_window(windowed: Path, compile_mode: str) -> None:
         err = float((row - hf_logits(windowed, seq)[-1]).abs().max())
         assert err <= 0.15, f"logits after {len(seq)} tokens differ by {err}"
         if len(seq) > WINDOW + 8:
-            with torch.no_grad():
-                ref_full = full(torch.tensor([seq])).logits[0, -1].float()
-            assert float((row - ref_full).abs().max()) > 0.3
+            assert float((row - _full_attention_logits(windowed, seq)).abs().max()) > 0.3
     assert_all_free(engine, scheduler)
 
 
