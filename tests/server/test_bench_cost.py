@@ -1,12 +1,15 @@
-"""The bench's analytic model cost against the bundled checkpoint's own tensors."""
+"""The bench's analytic model cost against the bundled checkpoint's own tensors, and its
+decode fractions against a read ceiling and the reads measured beside the runs."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors import safe_open
 
 from minisgl.core.config import ModelConfig
-from minisgl.server.bench import ModelCost
+from minisgl.server import bench
+from minisgl.server.bench import ModelCost, Timing, Workload
 
 
 def test_decode_bytes_count_the_checkpoint_weights(smollm2_path: str) -> None:
@@ -26,3 +29,48 @@ def test_decode_bytes_count_the_checkpoint_weights(smollm2_path: str) -> None:
     assert bf16.decode_bytes() == 2 * (proj + embed)
     assert ModelCost.from_config(mc, torch.bfloat16, "int8").decode_bytes() == proj + embed
     assert ModelCost.from_config(mc, torch.float32).decode_bytes() == 4 * (proj + embed)
+
+
+class _FixedSpeed:
+    """A system whose decode takes ``ms`` per token after a 10 ms first token."""
+
+    def __init__(self, name: str, ms: float) -> None:
+        self.name, self.ms = name, ms
+
+    def run_offline(self, wl: Workload) -> tuple[int, float]:
+        raise NotImplementedError
+
+    def run_single(self, prompt: list[int], n_out: int) -> Timing:
+        return Timing(0.01, 0.01 + self.ms / 1e3 * (n_out - 1), n_out)
+
+
+def test_latency_puts_decode_beside_the_read_measured_around_it(monkeypatch) -> None:
+    """The ceiling's fraction uses the run's best read; the "beside" fraction uses the reads
+    taken right before and after each decode run (here 10 and 30 GB/s: 20 on average), per run,
+    and their median."""
+    reads = iter([10e9, 30e9] * 100)
+    monkeypatch.setattr(bench, "measure_read", lambda probe: next(reads))
+    monkeypatch.setattr(bench, "READ_PROBE_BYTES", 1 << 12)  # the probe is never read here
+    cost = ModelCost(layer_params=60_000_000, lm_head_params=40_000_000, num_layers=2,
+                     attn_width=64, bytes_per_param=2)  # 200 MB per decode step
+    ceilings = {"mem_read_bytes_per_s": 40e9, "matmul_flops": 1e12}
+    rows = bench.bench_latency([_FixedSpeed("fast", 8.0), _FixedSpeed("slow", 16.0)],
+                               list(range(100, 200)), 0.1, 3, 0, cost, ceilings)
+    decode = {r.system: r for r in rows if r.metric == "decode ms/token"}
+    assert decode["fast"].value == pytest.approx(8.0)
+    assert decode["fast"].fraction_of_ceiling == pytest.approx(5.0 / 8.0)  # 200 MB at 40 GB/s
+    assert decode["fast"].details["read_bytes_per_s_beside"] == [20e9] * 3
+    assert decode["fast"].details["fraction_of_read_beside"] == pytest.approx(10.0 / 8.0)
+    assert decode["slow"].details["fraction_of_read_beside"] == pytest.approx(10.0 / 16.0)
+    lines = bench.beside_lines(rows)
+    assert lines == [
+        "latency: fast decode at 125% of the floor at the read measured beside its runs "
+        "(20.0 GB/s median)",
+        "latency: slow decode at 62% of the floor at the read measured beside its runs "
+        "(20.0 GB/s median)"]
+
+
+def test_measure_read_reports_bytes_per_second() -> None:
+    probe = torch.ones(1 << 20)  # 4 MB
+    speed = bench.measure_read(probe, reps=3)
+    assert 1e8 < speed < 1e13  # plausible for any machine: 0.1 GB/s .. 10 TB/s

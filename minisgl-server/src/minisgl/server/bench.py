@@ -27,7 +27,11 @@ is off) to offline-mixed and latency.
 
 Every result is also put next to a ceiling measured in the same run: a matmul in the run's dtype
 (FLOP/s; bf16 and float32 are both measured and printed) and a large reduction (memory read
-GB/s). Progress goes to stderr, the table to stdout.
+GB/s). The read ceiling is the best of ten passes, and a shared machine's reads swing from minute
+to minute (40-75 GB/s within an hour on the 2-core VM of docs/benchmarks.md), so latency also
+reads memory right before and after each decode run and prints each system's decode against the
+floor at that read ("beside"), next to the ceiling's fraction in the table. Progress goes to
+stderr, the table to stdout.
 """
 
 from __future__ import annotations
@@ -135,6 +139,19 @@ def measure_ceilings(dtype: torch.dtype) -> dict[str, float]:
     x = torch.ones(64 * 1024 * 1024, dtype=torch.float32)
     out["mem_read_bytes_per_s"] = x.numel() * x.element_size() / _best_time(x.sum, 10)
     return out
+
+
+READ_PROBE_BYTES = 128 << 20  # 4x the 32 MB L3 of the host measured (the ceiling reads 256 MB)
+
+
+def measure_read(probe: torch.Tensor, reps: int = 3) -> float:
+    """Memory read bytes/s of the moment: the median of ``reps`` sums of ``probe``."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        probe.sum()
+        times.append(time.perf_counter() - t0)
+    return probe.numel() * probe.element_size() / statistics.median(times)
 
 
 @dataclass(frozen=True)
@@ -406,15 +423,20 @@ def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, r
     decode_ceiling_ms = cost.decode_bytes() / ceilings["mem_read_bytes_per_s"] * 1e3
     prefill_ceiling = long_len / (cost.prefill_flops(0, long_len) / ceilings["matmul_flops"])
     runs: dict[str, dict[str, list[float]]] = {
-        s.name: {"decode": [], "ttft": [], "prefill": []} for s in systems}
+        s.name: {"decode": [], "ttft": [], "prefill": [], "read": []} for s in systems}
+    probe = torch.ones(READ_PROBE_BYTES // 4, dtype=torch.float32)
     for r in range(repeats):  # systems interleaved within each repeat: they share the noise
         rng = random.Random(f"latency/{seed}/{r}")  # fresh prompts per repeat: no cache hits
         prompt, long_prompt = random_prompt(rng, ids, plen), random_prompt(rng, ids, long_len)
         for s in systems:
             log(f"latency: {s.name} run {r + 1}/{repeats}: {plen}-token prompt, {n_out} tokens; "
                 f"then a {long_len}-token prefill")
-            t, p = s.run_single(prompt, n_out), s.run_single(long_prompt, 1)
+            before = measure_read(probe)
+            t = s.run_single(prompt, n_out)
+            after = measure_read(probe)
+            p = s.run_single(long_prompt, 1)
             got = runs[s.name]
+            got["read"].append((before + after) / 2)
             got["decode"].append(t.decode_ms_per_token)
             got["ttft"].append(t.ttft_s * 1e3)
             got["prefill"].append(long_len / p.ttft_s)
@@ -424,7 +446,12 @@ def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, r
     for name, got in runs.items():
         rows += [
             Row("latency", name, "decode ms/token", statistics.median(got["decode"]), False,
-                ceiling=decode_ceiling_ms, details={"runs": got["decode"], "output_tokens": n_out}),
+                ceiling=decode_ceiling_ms, details={
+                    "runs": got["decode"], "output_tokens": n_out,
+                    "read_bytes_per_s_beside": got["read"],
+                    "fraction_of_read_beside": statistics.median(
+                        cost.decode_bytes() / read * 1e3 / ms
+                        for read, ms in zip(got["read"], got["decode"]))}),
             Row("latency", name, f"TTFT ms ({plen}-tok prompt)", statistics.median(got["ttft"]),
                 False, details={"runs": got["ttft"]}),
             Row("latency", name, f"prefill tok/s ({long_len} tok)", statistics.median(got["prefill"]),
@@ -454,6 +481,14 @@ def peer_ratios(rows: Sequence[Row]) -> list[str]:
                 ratio = r.value / other.value if r.higher_is_better else other.value / r.value
                 lines.append(f"{r.workload}: minisgl vs {peer}, {r.metric}: {ratio:.2f}x better")
     return lines
+
+
+def beside_lines(rows: Sequence[Row]) -> list[str]:
+    """Each system's decode against the floor at the memory read measured beside its runs."""
+    return [f"{r.workload}: {r.system} decode at {r.details['fraction_of_read_beside']:.0%} of "
+            f"the floor at the read measured beside its runs "
+            f"({statistics.median(r.details['read_bytes_per_s_beside']) / 1e9:.1f} GB/s median)"
+            for r in rows if "fraction_of_read_beside" in r.details]
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -638,7 +673,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                              order.get(r.system, len(order))))
     add_speedups(rows)
     print(format_table(rows), flush=True)
-    for line in peer_ratios(rows):
+    for line in [*peer_ratios(rows), *beside_lines(rows)]:
         print(line, flush=True)
     info["peak_rss_mib"] = peak_rss_mib()
     if args.plot:
