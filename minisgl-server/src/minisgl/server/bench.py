@@ -29,9 +29,9 @@ Every result is also put next to a ceiling measured in the same run: a matmul in
 (FLOP/s; bf16 and float32 are both measured and printed) and a large reduction (memory read
 GB/s). The read ceiling is the best of ten passes, and a shared machine's reads swing from minute
 to minute (40-75 GB/s within an hour on the 2-core VM of docs/benchmarks.md), so latency also
-reads memory right before and after each decode run and prints each system's decode against the
-floor at that read ("beside"), next to the ceiling's fraction in the table. Progress goes to
-stderr, the table to stdout.
+reads memory right before and after each decode run and prints, below the table, each system's
+decode against the floor at that read ("beside"; the table keeps the ceiling's fraction).
+Progress goes to stderr, the table to stdout.
 """
 
 from __future__ import annotations
