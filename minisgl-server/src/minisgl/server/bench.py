@@ -116,14 +116,18 @@ def machine_info(dtype: torch.dtype) -> dict[str, Any]:
             "device": "cpu", "load_average_1m": round(os.getloadavg()[0], 2)}
 
 
-def _best_time(fn: Callable[[], object], reps: int) -> float:
-    fn()
+def _times(fn: Callable[[], object], reps: int) -> list[float]:
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return times
+
+
+def _best_time(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    return min(_times(fn, reps))
 
 
 def measure_ceilings(dtype: torch.dtype) -> dict[str, float]:
@@ -146,12 +150,7 @@ READ_PROBE_BYTES = 128 << 20  # 4x the 32 MB L3 of the host measured (the ceilin
 
 def measure_read(probe: torch.Tensor, reps: int = 3) -> float:
     """Memory read bytes/s of the moment: the median of ``reps`` sums of ``probe``."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        probe.sum()
-        times.append(time.perf_counter() - t0)
-    return probe.numel() * probe.element_size() / statistics.median(times)
+    return probe.numel() * probe.element_size() / statistics.median(_times(probe.sum, reps))
 
 
 @dataclass(frozen=True)
