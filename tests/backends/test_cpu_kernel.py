@@ -543,3 +543,86 @@ def test_sampler_with_kernel_matches_torch(monkeypatch: pytest.MonkeyPatch) -> N
     assert fast.top_ids is not None and slow.top_ids is not None
     assert torch.equal(fast.top_ids, slow.top_ids)
     torch.testing.assert_close(fast.top_logprobs, slow.top_logprobs, rtol=1e-6, atol=1e-6)
+
+
+def _layer_reference(x, res, in_norm, ws, post_norm, cos, sin, k_pool, v_pool, out_loc, slots,
+                     kv_lens, q_start, q_lens, scale, eps, heads, kv_heads, window):  # type: ignore[no-untyped-def]
+    """decoder_layer's steps with PyTorch ops on bf16 tensors, rounding where minisgl's modules
+    do (the Llama layer in minisgl-models); the linears and the attention are the kernels
+    tested above."""
+    def norm(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        v32 = v.float()
+        return w * (v32 * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
+
+    def linear(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.minisgl_cpu.bf16_linear(v, torch.ops.minisgl_cpu.bf16_pack(w), w.shape[0])
+
+    def rope(v: torch.Tensor) -> torch.Tensor:
+        lo, hi = v.chunk(2, dim=-1)
+        return v * cos[:, None] + torch.cat((-hi, lo), dim=-1) * sin[:, None]
+
+    m, d = x.shape[0], k_pool.shape[2]
+    r = x if res is None else x + res
+    qkv = linear(norm(r, in_norm), ws[0])
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
+    q, k = rope(q.reshape(m, heads, d)), rope(k.reshape(m, kv_heads, d))
+    k_pool[:, out_loc] = k.transpose(0, 1)
+    v_pool[:, out_loc] = v.reshape(m, kv_heads, d).transpose(0, 1)
+    a = cpu_kernels.paged_attention(q.contiguous(), k_pool, v_pool, slots, kv_lens, q_start,
+                                    q_lens, scale, window)
+    r2 = linear(a.reshape(m, -1), ws[1]) + r
+    g, u = linear(norm(r2, post_norm), ws[2]).chunk(2, dim=-1)
+    return linear(F.silu(g) * u, ws[3]), r2
+
+
+@pytest.mark.parametrize(("kv_lens", "window", "first"), [
+    ([37], 0, False), ([1], 0, True), ([5, 130, 64], 0, False), ([90, 12], 24, False)])
+def test_decoder_layer_matches_its_steps(kv_lens: list[int], window: int, first: bool) -> None:
+    """One decode step's layer in one call (cpu_layer.cpp) against the same steps op by op:
+    SmolLM2's shapes (9 heads over 3 KV heads of 64, hidden 576, intermediate 1536); requests
+    of 1 to 130 keys, a sliding window, the first layer (no residual yet)."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    g = torch.Generator().manual_seed(sum(kv_lens) + window)
+    hidden, inter, heads, kv_heads, d, pages = 576, 1536, 9, 3, 64, 512
+    m = len(kv_lens)
+    x = torch.randn(m, hidden, generator=g).bfloat16()
+    res = None if first else torch.randn(m, hidden, generator=g).bfloat16()
+    in_norm, post_norm = (1 + 0.1 * torch.randn(2, hidden, generator=g)).bfloat16()
+    shapes = [((heads + 2 * kv_heads) * d, hidden), (hidden, heads * d), (2 * inter, hidden),
+              (hidden, inter)]
+    ws = [(torch.randn(n, k, generator=g) / math.sqrt(k)).bfloat16() for n, k in shapes]
+    pos = torch.tensor(kv_lens) - 1
+    angle = pos[:, None].float() * (1e4 ** -(torch.arange(d // 2) / (d // 2)))[None]
+    cos, sin = (torch.cat([f(angle)] * 2, dim=-1).bfloat16() for f in (torch.cos, torch.sin))
+    pool = torch.randn(2, kv_heads, pages, d, generator=g).bfloat16()
+    perm = torch.randperm(pages - 1, generator=g) + 1  # slot 0 is never a request's
+    lk = max(kv_lens)
+    slots = torch.stack([perm[i * lk:(i + 1) * lk] for i in range(m)])
+    out_loc = slots[torch.arange(m), pos].contiguous()
+    index = (torch.tensor(kv_lens), torch.arange(m), torch.ones(m, dtype=torch.int64))
+    packed = [torch.ops.minisgl_cpu.bf16_pack(w) for w in ws]
+    got_pool, want_pool = pool.clone(), pool.clone()
+    y, r2 = cpu_kernels.decoder_layer(x, res, in_norm, *packed[:2], post_norm, *packed[2:], cos,
+                                      sin, got_pool[0], got_pool[1], out_loc, slots, *index,
+                                      d ** -0.5, 1e-5, heads, kv_heads, window)
+    want_y, want_r2 = _layer_reference(x, res, in_norm, ws, post_norm, cos, sin, want_pool[0],
+                                       want_pool[1], out_loc, slots, *index, d ** -0.5, 1e-5,
+                                       heads, kv_heads, window)
+    assert torch.equal(got_pool, want_pool)  # the new K/V, at out_loc only
+    torch.testing.assert_close(r2, want_r2)
+    torch.testing.assert_close(y, want_y)
+
+
+def test_decoder_layer_refuses_a_prefill_step() -> None:
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    hidden, d = 64, 32
+    ws = [torch.ops.minisgl_cpu.bf16_pack(torch.zeros(n, k, dtype=torch.bfloat16))
+          for n, k in [(4 * d, hidden), (hidden, 2 * d), (128, hidden), (hidden, 64)]]
+    x, norm = torch.zeros(2, hidden, dtype=torch.bfloat16), torch.ones(hidden, dtype=torch.bfloat16)
+    cs = torch.zeros(2, d, dtype=torch.bfloat16)
+    pool = torch.zeros(1, 16, d, dtype=torch.bfloat16)
+    slots = torch.arange(1, 3)[None]
+    with pytest.raises(RuntimeError, match="one new token per request"):
+        cpu_kernels.decoder_layer(x, None, norm, ws[0], ws[1], norm, ws[2], ws[3], cs, cs, pool,
+                                  pool.clone(), slots[0], slots, torch.tensor([2]),
+                                  torch.tensor([0]), torch.tensor([2]), 0.1, 1e-5, 2, 1)

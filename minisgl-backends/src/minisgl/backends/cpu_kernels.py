@@ -11,6 +11,11 @@
   for any number of rows (AVX512-VNNI); ``load()`` registers them with
   ``minisgl.core.layers.quant.register_int8_linear``, so weights quantized afterwards use them in
   place of ATen's int8 matmul (few rows) and per-call dequantization (many).
+- ``decoder_layer`` (cpu_layer.cpp): a Llama-family decoder layer of a decode step in one call
+  (RMSNorm, QKV, RoPE, the K/V store, ``paged_attention``, O, residual, RMSNorm, gate-up, SiLU,
+  down), on weights packed by ``bf16_pack``; the CPU backend uses it through
+  ``minisgl.core.layers.register_fused_decoder_layer`` (torch_native.py says where);
+  ``MINISGL_FUSED_LAYER=off`` turns that off.
 - ``argmax_logsumexp`` (cpu_sample.cpp): the greedy token and the log-sum-exp of every row of
   float32 logits in one call; ``load()`` registers it with
   ``minisgl.core.sampling.register_argmax_logsumexp`` for the default sampler.
@@ -44,8 +49,9 @@ log = logging.getLogger(__name__)
 
 NAME = "minisgl_cpu_attention"
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_sample.cpp")]
-HEADERS = [Path(__file__).parent / "csrc" / "vec_exp.h"]  # part of the build's cache key
+           for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_layer.cpp", "cpu_sample.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / name  # part of the build's cache key
+           for name in ("vec_exp.h", "kernels.h")]
 # -fopenmp: at::parallel_for is a header template whose threads are an ``omp parallel`` region
 # compiled into this library; without the flag it runs on one thread (links the libgomp.so.1
 # torch has loaded already: same soname, one thread pool)
@@ -72,8 +78,17 @@ def _cache_dir() -> Path:
     return root / key.hexdigest()[:16]
 
 
+def _on(variable: str) -> bool:
+    return os.environ.get(variable, "on").lower() not in ("0", "off", "false", "no")
+
+
 def enabled() -> bool:
-    return os.environ.get("MINISGL_CPU_KERNELS", "on").lower() not in ("0", "off", "false", "no")
+    return _on("MINISGL_CPU_KERNELS")
+
+
+def fused_layer_enabled() -> bool:
+    """Whether decode steps run ``decoder_layer`` (``MINISGL_FUSED_LAYER``, default on)."""
+    return _on("MINISGL_FUSED_LAYER")
 
 
 def load() -> bool:
@@ -138,6 +153,10 @@ def _register_fake() -> None:
     def _(x, w, s, n):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], n)
 
+    @torch.library.register_fake("minisgl_cpu::decoder_layer")
+    def _(x, residual, *rest):  # type: ignore[no-untyped-def]
+        return torch.empty_like(x), torch.empty_like(x)
+
     @torch.library.register_fake("minisgl_cpu::bf16_linear")
     def _(x, w, n):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], n)
@@ -162,3 +181,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     out: torch.Tensor = torch.ops.minisgl_cpu.paged_attention(q, k, v, slots, kv_lens, q_start,
                                                               q_lens, scale, window)
     return out
+
+
+def decoder_layer(x: torch.Tensor, residual: torch.Tensor | None, in_norm: torch.Tensor,
+                  qkv_w: torch.Tensor, o_w: torch.Tensor, post_norm: torch.Tensor,
+                  gate_up_w: torch.Tensor, down_w: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                  out_loc: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
+                  q_start: torch.Tensor, q_lens: torch.Tensor, scale: float, eps: float,
+                  heads: int, kv_heads: int, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step's decoder layer (cpu_layer.cpp): returns (output, new residual).
+
+    x, residual [M, hidden] bf16 (residual None in the first layer: x is the residual); norm
+    weights [hidden]; the four weights packed by ``bf16_pack`` (qkv: q, k, v heads in order;
+    gate_up: gate then up); cos, sin [M, head_dim] at each row's position; the pool and index
+    tensors as for ``paged_attention`` with one new token per request, stored at out_loc."""
+    y, r = torch.ops.minisgl_cpu.decoder_layer(
+        x, residual, in_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, cos, sin, k_pool, v_pool,
+        out_loc, slots, kv_lens, q_start, q_lens, scale, eps, heads, kv_heads, window)
+    return y, r

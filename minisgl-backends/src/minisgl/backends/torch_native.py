@@ -17,6 +17,12 @@ prompts in one layer).
 
 Sliding windows (``windows``, per layer): the kernel skips the keys before each query's window;
 the PyTorch path masks them, with one more mask per step and window size.
+
+With the kernels, a decode step's Llama-family decoder layers run as one ``decoder_layer`` call
+each (``fused_decoder_layer``, registered with minisgl.core.layers): norms, linears, RoPE, the
+K/V store and this attention in C++ back to back, where the layer's weights are in the bf16
+kernel's layout without biases or q/k norms and TP is 1; ``MINISGL_FUSED_LAYER=off`` keeps the
+modules.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.backends import cpu_kernels
-from minisgl.core.attention import AttentionBackend, BatchLayout
+from minisgl.core.attention import AttentionBackend, BatchLayout, ForwardContext
 from minisgl.core.kvcache import KVPool
+from minisgl.core.layers import DecoderLayerParts, register_fused_decoder_layer
 
 KV_BUCKET = 64  # decode: Lk is padded to a multiple of this
 
@@ -68,6 +75,7 @@ class KernelArgs:
     kv_lens: torch.Tensor  # [B]
     q_start: torch.Tensor  # [B] first row of its queries in q
     q_lens: torch.Tensor  # [B]
+    decode: bool = False  # one new token per request
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -84,6 +92,10 @@ class TorchNativeBackend(AttentionBackend):
             cpu_kernels.load()
         self.uses_cpu_kernel = device.type == "cpu" and cpu_kernels.supports(
             dtype, num_heads, num_kv_heads, head_dim)
+        # decode steps' decoder layers as one call each (fused_decoder_layer, for this backend)
+        self.fused_layers = self.uses_cpu_kernel and cpu_kernels.fused_layer_enabled()
+        if self.fused_layers:
+            register_fused_decoder_layer(fused_decoder_layer)
 
     def prepare(self, layout: BatchLayout) -> TorchNativeMeta:
         if self.uses_cpu_kernel:
@@ -124,7 +136,7 @@ class TorchNativeBackend(AttentionBackend):
         rows = torch.tensor(layout.rows, dtype=torch.int64, device=table.device)
         q_lens = torch.tensor(layout.q_lens, dtype=torch.int64)
         args = KernelArgs(table[rows, :lk].contiguous(), torch.tensor(layout.kv_lens),
-                          torch.cumsum(q_lens, 0) - q_lens, q_lens)
+                          torch.cumsum(q_lens, 0) - q_lens, q_lens, layout.phase == "decode")
         return TorchNativeMeta(layout.out_loc, kernel=args)
 
     @staticmethod
@@ -189,3 +201,33 @@ class TorchNativeBackend(AttentionBackend):
         scores = scores.masked_fill(~mask.view(1, b, 1, -1), float("-inf"))  # mask: [B, Lk]
         out = torch.matmul(scores.softmax(-1).to(vp.dtype), vp)  # [KVH, B, G, D]
         return out.transpose(0, 1).reshape(b, self.num_heads * d)
+
+
+def fused_decoder_layer(p: DecoderLayerParts, x: torch.Tensor, residual: torch.Tensor | None,
+                        cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The layer as one ``cpu_kernels.decoder_layer`` call in this backend's decode steps, or None
+    (run the modules) where the call does not compute what they would."""
+    backend, meta = ctx.backend, ctx.meta
+    if not (isinstance(backend, TorchNativeBackend) and backend.fused_layers
+            and isinstance(meta, TorchNativeMeta) and meta.kernel is not None
+            and meta.kernel.decode):
+        return None
+    linears = (p.qkv, p.o, p.gate_up, p.down)
+    if (p.qk_norm or x.dtype != torch.bfloat16 or p.in_norm.eps != p.post_norm.eps
+            or any(m.packed_linear is not torch.ops.minisgl_cpu.bf16_linear.default or m.bias is not None
+                   for m in linears)
+            or p.o.comm.world_size > 1 or p.down.comm.world_size > 1
+            or p.in_norm.weight.dtype != torch.bfloat16
+            or p.post_norm.weight.dtype != torch.bfloat16):
+        return None
+    cos, sin = cos_sin
+    t, layer, a = x.shape[0], p.layer_id, meta.kernel
+    assert p.qkv.packed is not None and p.o.packed is not None
+    assert p.gate_up.packed is not None and p.down.packed is not None
+    return cpu_kernels.decoder_layer(
+        x, residual, p.in_norm.weight, p.qkv.packed, p.o.packed, p.post_norm.weight,
+        p.gate_up.packed, p.down.packed, cos.reshape(t, -1), sin.reshape(t, -1),
+        backend.kv.k[layer], backend.kv.v[layer], meta.out_loc, a.slots, a.kv_lens, a.q_start,
+        a.q_lens, backend.scale, p.in_norm.eps, p.qkv.num_heads, p.qkv.num_kv_heads,
+        backend.windows[layer])

@@ -14,6 +14,7 @@ from minisgl.core.config import ModelConfig
 from minisgl.core.distributed import Communicator
 from minisgl.core.layers import (
     AttentionLayer,
+    DecoderLayerParts,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -22,6 +23,7 @@ from minisgl.core.layers import (
     RowParallelLinear,
     SiluAndMul,
     VocabParallelEmbedding,
+    fused_decoder_layer,
 )
 from minisgl.core.model import CausalLM
 
@@ -82,9 +84,16 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, comm)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        attn, mlp = self.self_attn, self.mlp
+        self.parts = DecoderLayerParts(layer_id, self.input_layernorm, attn.qkv_proj, attn.o_proj,
+                                       self.post_attention_layernorm, mlp.gate_up_proj,
+                                       mlp.down_proj, variant.qk_norm)
 
     def forward(self, rope: CosSin, x: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = fused_decoder_layer(self.parts, x, residual, rope, ctx)  # a backend's one call
+        if fused is not None:
+            return fused
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(rope, h, ctx)
         h, residual = self.post_attention_layernorm(h, residual)

@@ -32,6 +32,8 @@
 #include <limits>
 #include <vector>
 
+#include "kernels.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define MINISGL_FAST 1
 #include <immintrin.h>
@@ -441,6 +443,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 }
 
 }  // namespace
+
+at::Tensor minisgl::paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const at::Tensor& slots, const at::Tensor& kv_lens,
+                                    const at::Tensor& q_start, const at::Tensor& q_lens,
+                                    double scale, int64_t window) {
+  return ::paged_attention(q, k, v, slots, kv_lens, q_start, q_lens, scale, window);
+}
 
 TORCH_LIBRARY(minisgl_cpu, m) {
   m.def("available() -> bool", &available);

@@ -52,6 +52,8 @@
 #include <cstdint>
 #include <utility>
 
+#include "kernels.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
     defined(__AVX512VNNI__)
 #define MINISGL_LINEAR_FAST 1
@@ -420,6 +422,22 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wp, const at::Tens
 }
 
 }  // namespace
+
+namespace minisgl {
+
+void bf16_linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& packed,
+                      int64_t N, c10::BFloat16* y) {
+  TORCH_CHECK(MINISGL_LINEAR_FAST, "bf16_linear needs AVX512-BF16 and AVX512-VNNI");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == K && packed.is_contiguous(),
+              "a weight packed by bf16_pack with K = ", K, " inputs");
+#if MINISGL_LINEAR_FAST
+  const Args a{reinterpret_cast<const int32_t*>(x), K / 2,
+               static_cast<const char*>(packed.const_data_ptr()), y, N, nullptr, nullptr};
+  run<Bf16Format>(a, M, packed.size(0));
+#endif
+}
+
+}  // namespace minisgl
 
 TORCH_LIBRARY_FRAGMENT(minisgl_cpu, m) {
   m.def("bf16_pack(Tensor w) -> Tensor");

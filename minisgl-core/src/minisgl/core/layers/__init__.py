@@ -3,6 +3,11 @@
 from minisgl.core.layers.activation import SiluAndMul
 from minisgl.core.layers.attention import AttentionLayer
 from minisgl.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl.core.layers.fused import (
+    DecoderLayerParts,
+    fused_decoder_layer,
+    register_fused_decoder_layer,
+)
 from minisgl.core.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -15,6 +20,7 @@ from minisgl.core.layers.rope import RotaryEmbedding
 __all__ = [
     "AttentionLayer",
     "ColumnParallelLinear",
+    "DecoderLayerParts",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",
@@ -23,4 +29,6 @@ __all__ = [
     "RowParallelLinear",
     "SiluAndMul",
     "VocabParallelEmbedding",
+    "fused_decoder_layer",
+    "register_fused_decoder_layer",
 ]

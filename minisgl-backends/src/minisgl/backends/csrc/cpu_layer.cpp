@@ -1,0 +1,215 @@
+// decoder_layer: a whole Llama-family decoder layer of a decode step in one call (bf16 weights
+// packed by bf16_pack, the paged KV pool of cpu_attention.cpp), for the CPU backend's decode
+// steps (minisgl/backends/torch_native.py, fused_decoder_layer):
+//
+//   r = x + residual (x alone in the first layer)        h = RMSNorm_in(r)
+//   q, k, v = h @ Wqkv.T, RoPE on q and k, k and v stored at out_loc
+//   a = paged attention of q                              r2 = a @ Wo.T + r
+//   h2 = RMSNorm_post(r2)                                 y = (silu(g) * u) @ Wdown.T, [g u] = h2 @ Wgu.T
+//
+// and returns (y, r2), what the model's Python layer returns. Why: a batch-1 SmolLM2 decode step
+// spent ~20% of its time outside the weight stream, most of it in the ~30 lines of the compiled
+// graph's Python wrapper per layer (4 linears, attention, 3 fused Inductor kernels, their
+// buffers) while the memory bus idled; one call per layer leaves the 4 linears and the attention
+// as C++ calls back to back. Every intermediate is rounded to bf16 where the PyTorch layer rounds
+// it (the residual sum, the normalized rows, each RoPE product and their sum, silu(g), the
+// product with u), so the result is the eager layer's up to the order of float32 sums.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <tuple>
+
+#include "kernels.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define MINISGL_LAYER_FAST 1
+#include <immintrin.h>
+
+#include "vec_exp.h"
+#else
+#define MINISGL_LAYER_FAST 0
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+// Rows are independent; a few run on the calling thread (no parallel region at batch 1).
+template <class Fn>
+void each_row(int64_t M, const Fn& fn) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) fn(m);
+  });
+}
+
+#if MINISGL_LAYER_FAST
+
+// 16 lanes (fewer at the end of n): bf16 <-> float32, rounding to nearest even like c10.
+inline __mmask16 tail(int64_t i, int64_t n) {
+  return n - i >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+}
+inline __m512 load(const bf16* p, __mmask16 k) {
+  return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(k, p));
+}
+inline __m256i round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+inline __m512 rounded(__m512 v) { return _mm512_cvtpbh_ps((__m256bh)round16(v)); }
+inline void store(bf16* p, __m512 v, __mmask16 k) { _mm256_mask_storeu_epi16(p, k, round16(v)); }
+
+// r = x + res (or x), y = w * (r * rsqrt(mean(r^2) + eps)), rounded as RMSNorm rounds them.
+void add_rms_norm(const bf16* x, const bf16* res, const bf16* w, double eps, int64_t M,
+                  int64_t H, bf16* r, bf16* y) {
+  each_row(M, [&](int64_t m) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < H; i += 16) {
+      const __mmask16 k = tail(i, H);
+      __m512 v = load(x + m * H + i, k);
+      if (res != nullptr) v = rounded(_mm512_add_ps(v, load(res + m * H + i, k)));
+      store(r + m * H + i, v, k);
+      ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const float mean = _mm512_reduce_add_ps(ss) / static_cast<float>(H);
+    const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(mean + static_cast<float>(eps)));
+    for (int64_t i = 0; i < H; i += 16) {
+      const __mmask16 k = tail(i, H);
+      const __m512 normed = rounded(_mm512_mul_ps(load(r + m * H + i, k), inv));
+      store(y + m * H + i, _mm512_mul_ps(load(w + i, k), normed), k);
+    }
+  });
+}
+
+// src rotated by (cos, sin) of its row (NeoX / rotate-half) into dst, each product and the sum
+// rounded to bf16 like `q * cos + rotate_half(q) * sin` on bf16 tensors; D % 32 == 0.
+inline void rope(const bf16* src, const bf16* c, const bf16* s, int64_t D, bf16* dst) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < half; d += 16) {
+    const __m512 lo = load(src + d, 0xFFFF), hi = load(src + d + half, 0xFFFF);
+    const __m512 neg_hi = _mm512_sub_ps(_mm512_setzero_ps(), hi);
+    store(dst + d, _mm512_add_ps(rounded(_mm512_mul_ps(lo, load(c + d, 0xFFFF))),
+                                 rounded(_mm512_mul_ps(neg_hi, load(s + d, 0xFFFF)))), 0xFFFF);
+    store(dst + d + half,
+          _mm512_add_ps(rounded(_mm512_mul_ps(hi, load(c + d + half, 0xFFFF))),
+                        rounded(_mm512_mul_ps(lo, load(s + d + half, 0xFFFF)))), 0xFFFF);
+  }
+}
+
+// act = silu(g) * u for one row of [g u], silu(g) rounded to bf16 first like F.silu on bf16.
+inline void silu_mul(const bf16* gu, int64_t I, bf16* act) {
+  for (int64_t i = 0; i < I; i += 16) {
+    const __mmask16 k = tail(i, I);
+    const __m512 g = load(gu + i, k);
+    const __m512 e = minisgl_vec::exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __m512 one = _mm512_set1_ps(1.f);
+    // sigmoid(g) = 1 / (1 + e^-g) for g >= 0, e^g / (1 + e^g) below: exp16 only sees x <= 0
+    const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), _mm512_add_ps(one, e));
+    store(act + i, _mm512_mul_ps(rounded(_mm512_mul_ps(g, sig)), load(gu + I + i, k)), k);
+  }
+}
+
+#endif  // MINISGL_LAYER_FAST
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "decoder_layer: ", what); }
+
+std::tuple<at::Tensor, at::Tensor> decoder_layer(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& in_norm,
+    const at::Tensor& qkv_w, const at::Tensor& o_w, const at::Tensor& post_norm,
+    const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& k_pool, const at::Tensor& v_pool,
+    const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& kv_lens,
+    const at::Tensor& q_start, const at::Tensor& q_lens, double scale, double eps,
+    int64_t heads, int64_t kv_heads, int64_t window) {
+  TORCH_CHECK(MINISGL_LAYER_FAST, "decoder_layer needs AVX512-BF16");
+  const int64_t M = x.size(0), H = x.size(1), D = k_pool.size(2), S = k_pool.size(1);
+  const int64_t NQ = heads * D, NKV = kv_heads * D, NQKV = NQ + 2 * NKV;
+  const int64_t I = down_w.size(1) * 2;  // intermediate size: the down projection's inputs
+  check(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+        "x must be contiguous bf16 [M, hidden]");
+  check(!residual || (residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                      residual->scalar_type() == at::kBFloat16), "residual must be like x");
+  for (const at::Tensor* t : {&in_norm, &post_norm})
+    check(t->numel() == H && t->is_contiguous() && t->scalar_type() == at::kBFloat16,
+          "norm weights: bf16 [hidden]");
+  for (const at::Tensor* t : {&cos, &sin})
+    check(t->dim() == 2 && t->size(0) == M && t->size(1) == D && t->is_contiguous() &&
+              t->scalar_type() == at::kBFloat16, "cos, sin: contiguous bf16 [M, head_dim]");
+  check(k_pool.dim() == 3 && k_pool.size(0) == kv_heads && k_pool.sizes() == v_pool.sizes() &&
+            k_pool.is_contiguous() && v_pool.is_contiguous() &&
+            k_pool.scalar_type() == at::kBFloat16 && v_pool.scalar_type() == at::kBFloat16,
+        "k_pool, v_pool: contiguous bf16 [kv_heads, slots, head_dim]");
+  check(out_loc.numel() == M && out_loc.scalar_type() == at::kLong && out_loc.is_contiguous(),
+        "out_loc: int64 [M]");
+  check(q_lens.numel() == M, "one new token per request (a decode step)");
+  const int64_t* loc = out_loc.const_data_ptr<int64_t>();
+  const int64_t* ql = q_lens.const_data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    check(ql[m] == 1, "one new token per request (a decode step)");
+    check(loc[m] >= 0 && loc[m] < S, "out_loc outside the pool");
+  }
+
+  check(D % 32 == 0 && qkv_w.size(0) * 16 >= NQKV, "head_dim a multiple of 32, qkv of the heads");
+  std::tuple<at::Tensor, at::Tensor> out;
+#if MINISGL_LAYER_FAST
+  const auto opt = x.options();
+  at::Tensor r = at::empty({M, H}, opt), h = at::empty({M, H}, opt);
+  at::Tensor qkv = at::empty({M, NQKV}, opt), q = at::empty({M, heads, D}, opt);
+  add_rms_norm(x.const_data_ptr<bf16>(), residual ? residual->const_data_ptr<bf16>() : nullptr,
+               in_norm.const_data_ptr<bf16>(), eps, M, H, r.mutable_data_ptr<bf16>(),
+               h.mutable_data_ptr<bf16>());
+  minisgl::bf16_linear_into(h.const_data_ptr<bf16>(), M, H, qkv_w, NQKV,
+                            qkv.mutable_data_ptr<bf16>());
+
+  bf16* kp = k_pool.mutable_data_ptr<bf16>();
+  bf16* vp = v_pool.mutable_data_ptr<bf16>();
+  each_row(M, [&](int64_t m) {
+    const bf16* row = qkv.const_data_ptr<bf16>() + m * NQKV;
+    const bf16* c = cos.const_data_ptr<bf16>() + m * D;
+    const bf16* s = sin.const_data_ptr<bf16>() + m * D;
+    for (int64_t hd = 0; hd < heads; ++hd)
+      rope(row + hd * D, c, s, D, q.mutable_data_ptr<bf16>() + (m * heads + hd) * D);
+    for (int64_t hd = 0; hd < kv_heads; ++hd) {
+      rope(row + NQ + hd * D, c, s, D, kp + (hd * S + loc[m]) * D);
+      std::memcpy(vp + (hd * S + loc[m]) * D, row + NQ + NKV + hd * D, D * sizeof(bf16));
+    }
+  });
+
+  at::Tensor a = minisgl::paged_attention(q, k_pool, v_pool, slots, kv_lens, q_start, q_lens,
+                                          scale, window);
+  at::Tensor o = at::empty({M, H}, opt), r2 = at::empty({M, H}, opt);
+  minisgl::bf16_linear_into(a.const_data_ptr<bf16>(), M, NQ, o_w, H, o.mutable_data_ptr<bf16>());
+  add_rms_norm(o.const_data_ptr<bf16>(), r.const_data_ptr<bf16>(),
+               post_norm.const_data_ptr<bf16>(), eps, M, H, r2.mutable_data_ptr<bf16>(),
+               h.mutable_data_ptr<bf16>());
+
+  at::Tensor gu = at::empty({M, 2 * I}, opt), act = at::empty({M, I}, opt);
+  minisgl::bf16_linear_into(h.const_data_ptr<bf16>(), M, H, gate_up_w, 2 * I,
+                            gu.mutable_data_ptr<bf16>());
+  each_row(M, [&](int64_t m) {
+    silu_mul(gu.const_data_ptr<bf16>() + m * 2 * I, I, act.mutable_data_ptr<bf16>() + m * I);
+  });
+  at::Tensor y = at::empty({M, H}, opt);
+  minisgl::bf16_linear_into(act.const_data_ptr<bf16>(), M, I, down_w, H,
+                            y.mutable_data_ptr<bf16>());
+  out = {y, r2};
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(minisgl_cpu, m) {
+  m.def("decoder_layer(Tensor x, Tensor? residual, Tensor in_norm, Tensor qkv_w, Tensor o_w, "
+        "Tensor post_norm, Tensor gate_up_w, Tensor down_w, Tensor cos, Tensor sin, "
+        "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor out_loc, Tensor slots, Tensor kv_lens, "
+        "Tensor q_start, Tensor q_lens, float scale, float eps, int heads, int kv_heads, "
+        "int window) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(minisgl_cpu, CPU, m) { m.impl("decoder_layer", &decoder_layer); }

@@ -1,0 +1,61 @@
+"""A decoder layer in one call for the steps a backend's kernels cover (registered by them).
+
+A Llama-family decoder layer is ten kernels: RMSNorm, QKV, RoPE and the K/V store, attention,
+O, the residual add and RMSNorm, gate-up, SiLU-and-mul, down. In a batch-1 CPU decode step the
+Python and dispatch between them (the compiled graph's wrapper, Inductor's small kernels, their
+buffers) took ~1/5 of the step while the memory bus idled (docs/benchmarks.md). A backend may
+register ``fn(parts, x, residual, cos_sin, ctx)``: the layer's ``(output, new residual)``
+computed in one call, or None where it does not apply (a prefill step, another backend's
+metadata, weights in a layout its kernel does not read, biases, q/k norms, tensor
+parallelism); the model then runs its modules. minisgl-backends registers one for its CPU
+kernels' decode steps (``MINISGL_FUSED_LAYER=off`` keeps the modules).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.core.attention import ForwardContext
+from minisgl.core.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from minisgl.core.layers.norm import RMSNorm
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DecoderLayerParts:
+    """The modules of a pre-norm decoder layer with a gated SiLU MLP, in the order they run."""
+
+    layer_id: int
+    in_norm: RMSNorm
+    qkv: QKVParallelLinear
+    o: RowParallelLinear
+    post_norm: RMSNorm
+    gate_up: MergedColumnParallelLinear
+    down: RowParallelLinear
+    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
+
+
+FusedLayer = Callable[[DecoderLayerParts, torch.Tensor, "torch.Tensor | None", CosSin,
+                       ForwardContext], "tuple[torch.Tensor, torch.Tensor] | None"]
+_fused: FusedLayer | None = None
+
+
+def register_fused_decoder_layer(fn: FusedLayer | None) -> None:
+    """Use ``fn`` for every decoder layer from now on (None: the modules only)."""
+    global _fused
+    _fused = fn
+
+
+def fused_decoder_layer(parts: DecoderLayerParts, x: torch.Tensor, residual: torch.Tensor | None,
+                        cos_sin: CosSin, ctx: ForwardContext
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The layer's (output, new residual) in one call, or None: run the modules."""
+    return None if _fused is None else _fused(parts, x, residual, cos_sin, ctx)

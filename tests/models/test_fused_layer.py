@@ -1,0 +1,88 @@
+"""The CPU backend's one-call decoder layer (minisgl_cpu::decoder_layer) in a real engine: decode
+steps through it give the logits of the model's own modules, and layers it does not compute (q/k
+norms, biases) keep their modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from minisgl.backends import cpu_kernels
+from minisgl.core import LLM
+
+from .conftest import SPEC_BY_NAME, VOCAB, save_tiny
+from .reference import greedy, make_prompts, record_logits
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no CPU kernels on this machine")
+
+
+def _run(path: str, fused: bool, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch,
+         **kw: Any) -> tuple[list[list[int]], list[tuple[list[int], torch.Tensor]], int]:
+    """(token ids, recorded logits, decoder_layer calls) of one engine, compile off."""
+    calls = [0]
+    op = cpu_kernels.decoder_layer
+
+    def counted(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        calls[0] += 1
+        return op(*args)
+
+    monkeypatch.setenv("MINISGL_FUSED_LAYER", "on" if fused else "off")
+    monkeypatch.setattr(cpu_kernels, "decoder_layer", counted)
+    llm = LLM(path, dtype="bfloat16", compile="off", **kw)
+    with record_logits(llm.engine) as rec:
+        ids = [o.token_ids for o in llm.generate(prompts, greedy(24))]
+    llm.close()
+    monkeypatch.setattr(cpu_kernels, "decoder_layer", op)
+    return ids, rec, calls[0]
+
+
+def test_fused_decode_gives_the_modules_logits(smollm2_path: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2 in bf16, three requests at once (one sharing another's 30-token prefix), every
+    step's logits against the modules': both round every
+    intermediate to bf16 at the same points, so they are equal up to the order of float32
+    sums."""
+    prompts = make_prompts([40, 7, 130], 49152, seed=5)
+    prompts[1] = prompts[0][:30] + prompts[1]
+    runs = {f: _run(smollm2_path, f, prompts, monkeypatch) for f in (False, True)}
+    (ids0, rec0, calls0), (ids1, rec1, calls1) = runs[False], runs[True]
+    assert calls0 == 0 and calls1 >= 30 * (24 - 1)  # every layer of every decode step
+    assert ids1 == ids0
+    assert len(rec0) == len(rec1)
+    diffs = []
+    for (c0, l0), (c1, l1) in zip(rec0, rec1):
+        assert c0 == c1
+        diffs.append((l1 - l0).abs())
+    # Measured: the first 61 of 72 rows bit-identical; then one request's rows differ by a bf16
+    # step of the logits (0.25-0.34, mean 0.02-0.1) from a float32 sum taken in another order
+    # (the norms' sums of squares, the SiLU's exp) that rounded the other way once.
+    exact = sum(bool((d == 0).all()) for d in diffs)
+    assert exact >= 0.75 * len(diffs), [round(d.max().item(), 3) for d in diffs]
+    assert max(d.max().item() for d in diffs) <= 0.5
+
+
+@pytest.mark.parametrize(("overrides", "fused"), [
+    ({"attention_bias": False}, True),
+    ({"attention_bias": True}, False),  # biases on q/k/v/o: the modules
+])
+def test_fused_layer_only_where_it_computes_the_layer(tmp_path: Path, overrides: dict[str, Any],
+                                                      fused: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = SPEC_BY_NAME["llama-tied-mqa-bias"]
+    path = save_tiny(spec, tmp_path / "m", head_dim=32, **overrides)  # 32: the kernel's minimum
+    prompts = make_prompts([9, 20], VOCAB, seed=1)
+    kw = {"num_pages": 64, "page_size": 4}
+    ids0, _, _ = _run(str(path), False, prompts, monkeypatch, **kw)
+    ids1, _, calls = _run(str(path), True, prompts, monkeypatch, **kw)
+    assert (calls > 0) is fused
+    assert ids1 == ids0
+
+
+def test_qk_norm_layers_keep_their_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = save_tiny(SPEC_BY_NAME["qwen3-tied"], tmp_path / "q")  # head_dim 32, q/k norms
+    _, _, calls = _run(str(path), True, make_prompts([9], VOCAB), monkeypatch, num_pages=64,
+                       page_size=4)
+    assert calls == 0
