@@ -545,8 +545,8 @@ def test_sampler_with_kernel_matches_torch(monkeypatch: pytest.MonkeyPatch) -> N
     torch.testing.assert_close(fast.top_logprobs, slow.top_logprobs, rtol=1e-6, atol=1e-6)
 
 
-def _layer_reference(x, res, in_norm, ws, post_norm, cos, sin, k_pool, v_pool, out_loc, slots,
-                     kv_lens, q_start, q_lens, scale, eps, heads, kv_heads, window):  # type: ignore[no-untyped-def]
+def _layer_reference(x, res, in_norm, post_norm, ws, scales, cos, sin, k_pool, v_pool, out_loc,
+                     slots, kv_lens, q_start, q_lens, scale, eps, heads, kv_heads, window):  # type: ignore[no-untyped-def]
     """decoder_layer's steps with PyTorch ops on bf16 tensors, rounding where minisgl's modules
     do (the Llama layer in minisgl-models); the linears and the attention are the kernels
     tested above."""
@@ -554,8 +554,11 @@ def _layer_reference(x, res, in_norm, ws, post_norm, cos, sin, k_pool, v_pool, o
         v32 = v.float()
         return w * (v32 * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
 
-    def linear(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.ops.minisgl_cpu.bf16_linear(v, torch.ops.minisgl_cpu.bf16_pack(w), w.shape[0])
+    def linear(v: torch.Tensor, i: int) -> torch.Tensor:
+        n = scales[i].shape[0] if scales else ws[i].shape[0] * 16  # N % 16 == 0 here
+        if scales:
+            return torch.ops.minisgl_cpu.int8_linear(v, ws[i], scales[i], n)
+        return torch.ops.minisgl_cpu.bf16_linear(v, ws[i], n)
 
     def rope(v: torch.Tensor) -> torch.Tensor:
         lo, hi = v.chunk(2, dim=-1)
@@ -563,24 +566,27 @@ def _layer_reference(x, res, in_norm, ws, post_norm, cos, sin, k_pool, v_pool, o
 
     m, d = x.shape[0], k_pool.shape[2]
     r = x if res is None else x + res
-    qkv = linear(norm(r, in_norm), ws[0])
+    qkv = linear(norm(r, in_norm), 0)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
     q, k = rope(q.reshape(m, heads, d)), rope(k.reshape(m, kv_heads, d))
     k_pool[:, out_loc] = k.transpose(0, 1)
     v_pool[:, out_loc] = v.reshape(m, kv_heads, d).transpose(0, 1)
     a = cpu_kernels.paged_attention(q.contiguous(), k_pool, v_pool, slots, kv_lens, q_start,
                                     q_lens, scale, window)
-    r2 = linear(a.reshape(m, -1), ws[1]) + r
-    g, u = linear(norm(r2, post_norm), ws[2]).chunk(2, dim=-1)
-    return linear(F.silu(g) * u, ws[3]), r2
+    r2 = linear(a.reshape(m, -1), 1) + r
+    g, u = linear(norm(r2, post_norm), 2).chunk(2, dim=-1)
+    return linear(F.silu(g) * u, 3), r2
 
 
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize(("kv_lens", "window", "first"), [
     ([37], 0, False), ([1], 0, True), ([5, 130, 64], 0, False), ([90, 12], 24, False)])
-def test_decoder_layer_matches_its_steps(kv_lens: list[int], window: int, first: bool) -> None:
+def test_decoder_layer_matches_its_steps(kv_lens: list[int], window: int, first: bool,
+                                         int8: bool) -> None:
     """One decode step's layer in one call (cpu_layer.cpp) against the same steps op by op:
     SmolLM2's shapes (9 heads over 3 KV heads of 64, hidden 576, intermediate 1536); requests
-    of 1 to 130 keys, a sliding window, the first layer (no residual yet)."""
+    of 1 to 130 keys, a sliding window, the first layer (no residual yet); bf16 and int8
+    weights."""
     assert cpu_kernels.load(), cpu_kernels.load_error
     g = torch.Generator().manual_seed(sum(kv_lens) + window)
     hidden, inter, heads, kv_heads, d, pages = 576, 1536, 9, 3, 64, 512
@@ -600,14 +606,19 @@ def test_decoder_layer_matches_its_steps(kv_lens: list[int], window: int, first:
     slots = torch.stack([perm[i * lk:(i + 1) * lk] for i in range(m)])
     out_loc = slots[torch.arange(m), pos].contiguous()
     index = (torch.tensor(kv_lens), torch.arange(m), torch.ones(m, dtype=torch.int64))
-    packed = [torch.ops.minisgl_cpu.bf16_pack(w) for w in ws]
+    if int8:
+        qs = [quant.quantize_rows(w) for w in ws]
+        packed = [torch.ops.minisgl_cpu.int8_pack(q) for q, _ in qs]
+        scales = [s for _, s in qs]
+    else:
+        packed, scales = [torch.ops.minisgl_cpu.bf16_pack(w) for w in ws], []
     got_pool, want_pool = pool.clone(), pool.clone()
-    y, r2 = cpu_kernels.decoder_layer(x, res, in_norm, *packed[:2], post_norm, *packed[2:], cos,
-                                      sin, got_pool[0], got_pool[1], out_loc, slots, *index,
+    y, r2 = cpu_kernels.decoder_layer(x, res, in_norm, post_norm, packed, scales, cos, sin,
+                                      got_pool[0], got_pool[1], out_loc, slots, *index,
                                       d ** -0.5, 1e-5, heads, kv_heads, window)
-    want_y, want_r2 = _layer_reference(x, res, in_norm, ws, post_norm, cos, sin, want_pool[0],
-                                       want_pool[1], out_loc, slots, *index, d ** -0.5, 1e-5,
-                                       heads, kv_heads, window)
+    want_y, want_r2 = _layer_reference(x, res, in_norm, post_norm, packed, scales, cos, sin,
+                                       want_pool[0], want_pool[1], out_loc, slots, *index,
+                                       d ** -0.5, 1e-5, heads, kv_heads, window)
     assert torch.equal(got_pool, want_pool)  # the new K/V, at out_loc only
     torch.testing.assert_close(r2, want_r2)
     torch.testing.assert_close(y, want_y)
@@ -623,6 +634,6 @@ def test_decoder_layer_refuses_a_prefill_step() -> None:
     pool = torch.zeros(1, 16, d, dtype=torch.bfloat16)
     slots = torch.arange(1, 3)[None]
     with pytest.raises(RuntimeError, match="one new token per request"):
-        cpu_kernels.decoder_layer(x, None, norm, ws[0], ws[1], norm, ws[2], ws[3], cs, cs, pool,
+        cpu_kernels.decoder_layer(x, None, norm, norm, ws, [], cs, cs, pool,
                                   pool.clone(), slots[0], slots, torch.tensor([2]),
                                   torch.tensor([0]), torch.tensor([2]), 0.1, 1e-5, 2, 1)

@@ -13,7 +13,7 @@
   place of ATen's int8 matmul (few rows) and per-call dequantization (many).
 - ``decoder_layer`` (cpu_layer.cpp): a Llama-family decoder layer of a decode step in one call
   (RMSNorm, QKV, RoPE, the K/V store, ``paged_attention``, O, residual, RMSNorm, gate-up, SiLU,
-  down), on weights packed by ``bf16_pack``; the CPU backend uses it through
+  down), on weights packed by ``bf16_pack`` or ``int8_pack``; the CPU backend uses it through
   ``minisgl.core.layers.register_fused_decoder_layer`` (torch_native.py says where);
   ``MINISGL_FUSED_LAYER=off`` turns that off.
 - ``argmax_logsumexp`` (cpu_sample.cpp): the greedy token and the log-sum-exp of every row of
@@ -184,19 +184,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
 
 
 def decoder_layer(x: torch.Tensor, residual: torch.Tensor | None, in_norm: torch.Tensor,
-                  qkv_w: torch.Tensor, o_w: torch.Tensor, post_norm: torch.Tensor,
-                  gate_up_w: torch.Tensor, down_w: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                  out_loc: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
-                  q_start: torch.Tensor, q_lens: torch.Tensor, scale: float, eps: float,
-                  heads: int, kv_heads: int, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  post_norm: torch.Tensor, weights: list[torch.Tensor],
+                  scales: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                  k_pool: torch.Tensor, v_pool: torch.Tensor, out_loc: torch.Tensor,
+                  slots: torch.Tensor, kv_lens: torch.Tensor, q_start: torch.Tensor,
+                  q_lens: torch.Tensor, scale: float, eps: float, heads: int, kv_heads: int,
+                  window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step's decoder layer (cpu_layer.cpp): returns (output, new residual).
 
     x, residual [M, hidden] bf16 (residual None in the first layer: x is the residual); norm
-    weights [hidden]; the four weights packed by ``bf16_pack`` (qkv: q, k, v heads in order;
-    gate_up: gate then up); cos, sin [M, head_dim] at each row's position; the pool and index
-    tensors as for ``paged_attention`` with one new token per request, stored at out_loc."""
+    weights [hidden]; ``weights`` the qkv (q, k, v heads in order), o, gate_up (gate then up)
+    and down weights packed by ``bf16_pack`` (``scales`` empty) or by ``int8_pack`` (``scales``
+    their float32 per-output scales); cos, sin [M, head_dim] at each row's position; the pool
+    and index tensors as for ``paged_attention`` with one new token per request, stored at
+    out_loc."""
     y, r = torch.ops.minisgl_cpu.decoder_layer(
-        x, residual, in_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, cos, sin, k_pool, v_pool,
-        out_loc, slots, kv_lens, q_start, q_lens, scale, eps, heads, kv_heads, window)
+        x, residual, in_norm, post_norm, weights, scales, cos, sin, k_pool, v_pool, out_loc,
+        slots, kv_lens, q_start, q_lens, scale, eps, heads, kv_heads, window)
     return y, r

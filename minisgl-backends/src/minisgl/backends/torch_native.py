@@ -20,8 +20,8 @@ the PyTorch path masks them, with one more mask per step and window size.
 
 With the kernels, a decode step's Llama-family decoder layers run as one ``decoder_layer`` call
 each (``fused_decoder_layer``, registered with minisgl.core.layers): norms, linears, RoPE, the
-K/V store and this attention in C++ back to back, where the layer's weights are in the bf16
-kernel's layout without biases or q/k norms and TP is 1; ``MINISGL_FUSED_LAYER=off`` keeps the
+K/V store and this attention in C++ back to back, where the layer's weights are in the bf16 or
+int8 kernel's layout without biases or q/k norms and TP is 1; ``MINISGL_FUSED_LAYER=off`` keeps the
 modules.
 """
 
@@ -36,6 +36,7 @@ from minisgl.backends import cpu_kernels
 from minisgl.core.attention import AttentionBackend, BatchLayout, ForwardContext
 from minisgl.core.kvcache import KVPool
 from minisgl.core.layers import DecoderLayerParts, register_fused_decoder_layer
+from minisgl.core.layers.quant import QuantizableLinear
 
 KV_BUCKET = 64  # decode: Lk is padded to a multiple of this
 
@@ -203,6 +204,22 @@ class TorchNativeBackend(AttentionBackend):
         return out.transpose(0, 1).reshape(b, self.num_heads * d)
 
 
+def _kernel_weights(linears: tuple[QuantizableLinear, ...]
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """The layers' weights and int8 scales (none for bf16) as ``decoder_layer`` takes them, or
+    None where a layer is in another format, mixed with the others, or has a bias."""
+    ops = torch.ops.minisgl_cpu
+    if any(m.bias is not None for m in linears):
+        return None
+    if all(m.packed is not None and m.packed_linear is ops.bf16_linear.default for m in linears):
+        return [m.packed for m in linears if m.packed is not None], []
+    if all(m.qweight is not None and m.qscale is not None
+           and m.qlinear is ops.int8_linear.default for m in linears):
+        return ([m.qweight for m in linears if m.qweight is not None],
+                [m.qscale for m in linears if m.qscale is not None])
+    return None
+
+
 def fused_decoder_layer(p: DecoderLayerParts, x: torch.Tensor, residual: torch.Tensor | None,
                         cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -213,21 +230,17 @@ def fused_decoder_layer(p: DecoderLayerParts, x: torch.Tensor, residual: torch.T
             and isinstance(meta, TorchNativeMeta) and meta.kernel is not None
             and meta.kernel.decode):
         return None
-    linears = (p.qkv, p.o, p.gate_up, p.down)
-    if (p.qk_norm or x.dtype != torch.bfloat16 or p.in_norm.eps != p.post_norm.eps
-            or any(m.packed_linear is not torch.ops.minisgl_cpu.bf16_linear.default or m.bias is not None
-                   for m in linears)
+    weights = _kernel_weights((p.qkv, p.o, p.gate_up, p.down))
+    if (weights is None or p.qk_norm or x.dtype != torch.bfloat16
+            or p.in_norm.eps != p.post_norm.eps
             or p.o.comm.world_size > 1 or p.down.comm.world_size > 1
             or p.in_norm.weight.dtype != torch.bfloat16
             or p.post_norm.weight.dtype != torch.bfloat16):
         return None
     cos, sin = cos_sin
     t, layer, a = x.shape[0], p.layer_id, meta.kernel
-    assert p.qkv.packed is not None and p.o.packed is not None
-    assert p.gate_up.packed is not None and p.down.packed is not None
     return cpu_kernels.decoder_layer(
-        x, residual, p.in_norm.weight, p.qkv.packed, p.o.packed, p.post_norm.weight,
-        p.gate_up.packed, p.down.packed, cos.reshape(t, -1), sin.reshape(t, -1),
-        backend.kv.k[layer], backend.kv.v[layer], meta.out_loc, a.slots, a.kv_lens, a.q_start,
-        a.q_lens, backend.scale, p.in_norm.eps, p.qkv.num_heads, p.qkv.num_kv_heads,
-        backend.windows[layer])
+        x, residual, p.in_norm.weight, p.post_norm.weight, *weights, cos.reshape(t, -1),
+        sin.reshape(t, -1), backend.kv.k[layer], backend.kv.v[layer], meta.out_loc, a.slots,
+        a.kv_lens, a.q_start, a.q_lens, backend.scale, p.in_norm.eps, p.qkv.num_heads,
+        p.qkv.num_kv_heads, backend.windows[layer])

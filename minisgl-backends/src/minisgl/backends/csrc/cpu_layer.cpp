@@ -1,6 +1,6 @@
-// decoder_layer: a whole Llama-family decoder layer of a decode step in one call (bf16 weights
-// packed by bf16_pack, the paged KV pool of cpu_attention.cpp), for the CPU backend's decode
-// steps (minisgl/backends/torch_native.py, fused_decoder_layer):
+// decoder_layer: a whole Llama-family decoder layer of a decode step in one call (weights packed
+// by bf16_pack, or by int8_pack with their scales; the paged KV pool of cpu_attention.cpp), for
+// the CPU backend's decode steps (minisgl/backends/torch_native.py, fused_decoder_layer):
 //
 //   r = x + residual (x alone in the first layer)        h = RMSNorm_in(r)
 //   q, k, v = h @ Wqkv.T, RoPE on q and k, k and v stored at out_loc
@@ -120,8 +120,7 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "decoder_layer: ", what)
 
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& in_norm,
-    const at::Tensor& qkv_w, const at::Tensor& o_w, const at::Tensor& post_norm,
-    const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& cos,
+    const at::Tensor& post_norm, at::TensorList weights, at::TensorList scales, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& k_pool, const at::Tensor& v_pool,
     const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& kv_lens,
     const at::Tensor& q_start, const at::Tensor& q_lens, double scale, double eps,
@@ -129,7 +128,14 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   TORCH_CHECK(MINISGL_LAYER_FAST, "decoder_layer needs AVX512-BF16");
   const int64_t M = x.size(0), H = x.size(1), D = k_pool.size(2), S = k_pool.size(1);
   const int64_t NQ = heads * D, NKV = kv_heads * D, NQKV = NQ + 2 * NKV;
-  const int64_t I = down_w.size(1) * 2;  // intermediate size: the down projection's inputs
+  check(weights.size() == 4 && (scales.empty() || scales.size() == 4),
+        "weights: qkv, o, gate_up, down (packed); scales: none (bf16) or theirs (int8)");
+  // y [M, N] = x [M, K] @ weights[i].T
+  auto linear = [&](int i, const at::Tensor& in, int64_t K, at::Tensor& out, int64_t N) {
+    minisgl::linear_into(in.const_data_ptr<bf16>(), M, K, weights[i],
+                         scales.empty() ? nullptr : &scales[i], N, out.mutable_data_ptr<bf16>());
+  };
+  const int64_t I = weights[3].size(1) * 2;  // intermediate size: the down projection's inputs
   check(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
         "x must be contiguous bf16 [M, hidden]");
   check(!residual || (residual->sizes() == x.sizes() && residual->is_contiguous() &&
@@ -154,7 +160,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     check(loc[m] >= 0 && loc[m] < S, "out_loc outside the pool");
   }
 
-  check(D % 32 == 0 && qkv_w.size(0) * 16 >= NQKV, "head_dim a multiple of 32, qkv of the heads");
+  check(D % 32 == 0, "head_dim must be a multiple of 32");
   std::tuple<at::Tensor, at::Tensor> out;
 #if MINISGL_LAYER_FAST
   const auto opt = x.options();
@@ -163,8 +169,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   add_rms_norm(x.const_data_ptr<bf16>(), residual ? residual->const_data_ptr<bf16>() : nullptr,
                in_norm.const_data_ptr<bf16>(), eps, M, H, r.mutable_data_ptr<bf16>(),
                h.mutable_data_ptr<bf16>());
-  minisgl::bf16_linear_into(h.const_data_ptr<bf16>(), M, H, qkv_w, NQKV,
-                            qkv.mutable_data_ptr<bf16>());
+  linear(0, h, H, qkv, NQKV);
 
   bf16* kp = k_pool.mutable_data_ptr<bf16>();
   bf16* vp = v_pool.mutable_data_ptr<bf16>();
@@ -183,20 +188,18 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   at::Tensor a = minisgl::paged_attention(q, k_pool, v_pool, slots, kv_lens, q_start, q_lens,
                                           scale, window);
   at::Tensor o = at::empty({M, H}, opt), r2 = at::empty({M, H}, opt);
-  minisgl::bf16_linear_into(a.const_data_ptr<bf16>(), M, NQ, o_w, H, o.mutable_data_ptr<bf16>());
+  linear(1, a, NQ, o, H);
   add_rms_norm(o.const_data_ptr<bf16>(), r.const_data_ptr<bf16>(),
                post_norm.const_data_ptr<bf16>(), eps, M, H, r2.mutable_data_ptr<bf16>(),
                h.mutable_data_ptr<bf16>());
 
   at::Tensor gu = at::empty({M, 2 * I}, opt), act = at::empty({M, I}, opt);
-  minisgl::bf16_linear_into(h.const_data_ptr<bf16>(), M, H, gate_up_w, 2 * I,
-                            gu.mutable_data_ptr<bf16>());
+  linear(2, h, H, gu, 2 * I);
   each_row(M, [&](int64_t m) {
     silu_mul(gu.const_data_ptr<bf16>() + m * 2 * I, I, act.mutable_data_ptr<bf16>() + m * I);
   });
   at::Tensor y = at::empty({M, H}, opt);
-  minisgl::bf16_linear_into(act.const_data_ptr<bf16>(), M, I, down_w, H,
-                            y.mutable_data_ptr<bf16>());
+  linear(3, act, I, y, H);
   out = {y, r2};
 #endif
   return out;
@@ -205,8 +208,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minisgl_cpu, m) {
-  m.def("decoder_layer(Tensor x, Tensor? residual, Tensor in_norm, Tensor qkv_w, Tensor o_w, "
-        "Tensor post_norm, Tensor gate_up_w, Tensor down_w, Tensor cos, Tensor sin, "
+  m.def("decoder_layer(Tensor x, Tensor? residual, Tensor in_norm, Tensor post_norm, "
+        "Tensor[] weights, Tensor[] scales, Tensor cos, Tensor sin, "
         "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor out_loc, Tensor slots, Tensor kv_lens, "
         "Tensor q_start, Tensor q_lens, float scale, float eps, int heads, int kv_heads, "
         "int window) -> (Tensor, Tensor)");

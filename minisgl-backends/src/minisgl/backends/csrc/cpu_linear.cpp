@@ -389,6 +389,27 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
   return y;
 }
 
+// y [M, N] = x [M, K] @ (w * scales[:, None]).T, w packed by int8_pack; x contiguous.
+void int8_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& wp,
+               const float* scales, int64_t N, c10::BFloat16* y) {
+#if MINISGL_LINEAR_FAST
+  // K products of 127 * qmax must fit an int32
+  const int32_t qmax = static_cast<int32_t>(
+      std::min<int64_t>(kInt8MaxQ, INT32_MAX / (127 * std::max<int64_t>(K, 1))));
+  at::Tensor xq = at::empty({M, K}, wp.options().dtype(at::kShort));
+  at::Tensor sx = at::empty({M}, wp.options().dtype(at::kFloat));
+  int16_t* qp = xq.mutable_data_ptr<int16_t>();
+  float* sxp = sx.mutable_data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1)),
+                   [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, qmax, qp + m * K, sxp + m);
+  });
+  const Args a{reinterpret_cast<const int32_t*>(qp), K / 2,
+               static_cast<const char*>(wp.const_data_ptr()), y, N, sxp, scales};
+  run<Int8Format>(a, M, wp.size(0));
+#endif
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scales,
                        int64_t N) {
   TORCH_CHECK(MINISGL_LINEAR_FAST, "int8_linear needs AVX512-BF16 and AVX512-VNNI");
@@ -399,25 +420,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wp, const at::Tens
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N, "scales must be [N] = [", N, "]");
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
-#if MINISGL_LINEAR_FAST
-  // K products of 127 * qmax must fit an int32
-  const int32_t qmax = static_cast<int32_t>(
-      std::min<int64_t>(kInt8MaxQ, INT32_MAX / (127 * std::max<int64_t>(K, 1))));
   at::Tensor xc = x.contiguous(), sc = scales.contiguous(), wc = wp.contiguous();
-  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kShort));
-  at::Tensor sx = at::empty({M}, x.options().dtype(at::kFloat));
-  const c10::BFloat16* xp = xc.const_data_ptr<c10::BFloat16>();
-  int16_t* qp = xq.mutable_data_ptr<int16_t>();
-  float* sxp = sx.mutable_data_ptr<float>();
-  at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1)),
-                   [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, K, qmax, qp + m * K, sxp + m);
-  });
-  const Args a{reinterpret_cast<const int32_t*>(qp), K / 2,
-               static_cast<const char*>(wc.const_data_ptr()),
-               y.mutable_data_ptr<c10::BFloat16>(), N, sxp, sc.const_data_ptr<float>()};
-  run<Int8Format>(a, M, wp.size(0));
-#endif
+  int8_into(xc.const_data_ptr<c10::BFloat16>(), M, K, wc, sc.const_data_ptr<float>(), N,
+            y.mutable_data_ptr<c10::BFloat16>());
   return y;
 }
 
@@ -425,12 +430,22 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wp, const at::Tens
 
 namespace minisgl {
 
-void bf16_linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& packed,
-                      int64_t N, c10::BFloat16* y) {
-  TORCH_CHECK(MINISGL_LINEAR_FAST, "bf16_linear needs AVX512-BF16 and AVX512-VNNI");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == K && packed.is_contiguous(),
-              "a weight packed by bf16_pack with K = ", K, " inputs");
+void linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& packed,
+                 const at::Tensor* scales, int64_t N, c10::BFloat16* y) {
+  TORCH_CHECK(MINISGL_LINEAR_FAST, "the linear kernels need AVX512-BF16 and AVX512-VNNI");
+  const bool int8 = scales != nullptr;
+  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == K && packed.size(0) * kLanes >= N &&
+                  packed.is_contiguous() &&
+                  packed.scalar_type() == (int8 ? at::kChar : at::kBFloat16),
+              "a weight packed by ", int8 ? "int8_pack" : "bf16_pack", " with K = ", K,
+              " inputs and N = ", N, " outputs");
+  TORCH_CHECK(!int8 || (scales->numel() == N && scales->is_contiguous() &&
+                        scales->scalar_type() == at::kFloat), "scales: float32 [", N, "]");
 #if MINISGL_LINEAR_FAST
+  if (int8) {
+    int8_into(x, M, K, packed, scales->const_data_ptr<float>(), N, y);
+    return;
+  }
   const Args a{reinterpret_cast<const int32_t*>(x), K / 2,
                static_cast<const char*>(packed.const_data_ptr()), y, N, nullptr, nullptr};
   run<Bf16Format>(a, M, packed.size(0));

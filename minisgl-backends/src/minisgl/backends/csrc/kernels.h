@@ -9,9 +9,10 @@
 
 namespace minisgl {
 
-// y [M, N] = x [M, K] @ w.T, w packed by bf16_pack; x and y contiguous (cpu_linear.cpp).
-void bf16_linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& packed,
-                      int64_t N, c10::BFloat16* y);
+// y [M, N] = x [M, K] @ w.T (cpu_linear.cpp), x and y contiguous: w packed by bf16_pack
+// (scales null), or by int8_pack with w's per-output scales (int8_linear's arithmetic).
+void linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& packed,
+                 const at::Tensor* scales, int64_t N, c10::BFloat16* y);
 
 // The paged_attention op (cpu_attention.cpp).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
