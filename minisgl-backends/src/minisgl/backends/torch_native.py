@@ -27,6 +27,7 @@ modules.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -135,9 +136,10 @@ class TorchNativeBackend(AttentionBackend):
         if layout.phase == "decode":  # Lk bucketed: fewer distinct shapes for compiled decode
             lk = min(_round_up(lk, KV_BUCKET), table.shape[1])
         rows = torch.tensor(layout.rows, dtype=torch.int64, device=table.device)
-        q_lens = torch.tensor(layout.q_lens, dtype=torch.int64)
+        q_start = [0, *itertools.accumulate(layout.q_lens)][:-1]  # (small lists: no torch ops)
         args = KernelArgs(table[rows, :lk].contiguous(), torch.tensor(layout.kv_lens),
-                          torch.cumsum(q_lens, 0) - q_lens, q_lens, layout.phase == "decode")
+                          torch.tensor(q_start), torch.tensor(layout.q_lens),
+                          layout.phase == "decode")
         return TorchNativeMeta(layout.out_loc, kernel=args)
 
     @staticmethod

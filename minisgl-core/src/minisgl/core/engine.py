@@ -167,26 +167,31 @@ class Engine:
                 *self._pool_dims()]
 
     def prepare(self, batch: Batch) -> ForwardInputs:
-        """Flatten the batch (no padding) and build the attention layout for it."""
+        """Flatten the batch (no padding) and build the attention layout for it. The index
+        lists are built in Python and become one tensor each: a decode step runs right after
+        the weights have flushed the caches, where every small torch op costs ~10-20 us."""
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
         kv_lens: list[int] = []
-        for req, n in zip(batch.reqs, batch.extend_lens):
+        row_of_token: list[int] = []
+        logits_indices: list[int] = []
+        for req, n, sample in zip(batch.reqs, batch.extend_lens, batch.sample):
             start = req.num_computed
             ids.extend(req.token_slice(start, start + n))
             positions.extend(range(start, start + n))
+            row_of_token.extend([req.table_row] * n)
             rows.append(req.table_row)
             kv_lens.append(start + n)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        row_of_token = torch.repeat_interleave(torch.tensor(rows), torch.tensor(batch.extend_lens))
-        out_loc = self.table.table[row_of_token.to(self.device), pos.to(self.device)]
-        ends = torch.cumsum(torch.tensor(batch.extend_lens), 0) - 1
-        logits_indices = ends[torch.tensor(batch.sample, dtype=torch.bool)]
+            if sample:  # the request's last new token
+                logits_indices.append(len(ids) - 1)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        out_loc = self.table.table[torch.tensor(row_of_token, device=self.device), pos]
         layout = BatchLayout(batch.phase, list(batch.extend_lens), kv_lens, rows,
                              self.table.table, out_loc)
-        return ForwardInputs(torch.tensor(ids, dtype=torch.int64, device=self.device),
-                             pos.to(self.device), layout, logits_indices.to(self.device),
+        return ForwardInputs(torch.tensor(ids, dtype=torch.int64, device=self.device), pos,
+                             layout, torch.tensor(logits_indices, dtype=torch.int64,
+                                                  device=self.device),
                              self.backend.prepare(layout))
 
     @torch.inference_mode()
