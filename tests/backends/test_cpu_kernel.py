@@ -545,8 +545,9 @@ def test_sampler_with_kernel_matches_torch(monkeypatch: pytest.MonkeyPatch) -> N
     torch.testing.assert_close(fast.top_logprobs, slow.top_logprobs, rtol=1e-6, atol=1e-6)
 
 
-def _layer_reference(x, res, in_norm, post_norm, ws, scales, cos, sin, k_pool, v_pool, out_loc,
-                     slots, kv_lens, q_start, q_lens, scale, eps, heads, kv_heads, window):  # type: ignore[no-untyped-def]
+def _layer_reference(x, res, in_norm, post_norm, ws, scales, qkv_b, o_b, q_norm, k_norm, cos, sin,
+                     k_pool, v_pool, out_loc, slots, kv_lens, q_start, q_lens, scale, eps, heads,
+                     kv_heads, window):  # type: ignore[no-untyped-def]
     """decoder_layer's steps with PyTorch ops on bf16 tensors, rounding where minisgl's modules
     do (the Llama layer in minisgl-models); the linears and the attention are the kernels
     tested above."""
@@ -567,26 +568,33 @@ def _layer_reference(x, res, in_norm, post_norm, ws, scales, cos, sin, k_pool, v
     m, d = x.shape[0], k_pool.shape[2]
     r = x if res is None else x + res
     qkv = linear(norm(r, in_norm), 0)
+    if qkv_b is not None:
+        qkv = qkv + qkv_b
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
-    q, k = rope(q.reshape(m, heads, d)), rope(k.reshape(m, kv_heads, d))
+    q, k = q.reshape(m, heads, d), k.reshape(m, kv_heads, d)
+    if q_norm is not None:
+        q, k = norm(q, q_norm), norm(k, k_norm)
+    q, k = rope(q), rope(k)
     k_pool[:, out_loc] = k.transpose(0, 1)
     v_pool[:, out_loc] = v.reshape(m, kv_heads, d).transpose(0, 1)
     a = cpu_kernels.paged_attention(q.contiguous(), k_pool, v_pool, slots, kv_lens, q_start,
                                     q_lens, scale, window)
-    r2 = linear(a.reshape(m, -1), 1) + r
+    o = linear(a.reshape(m, -1), 1)
+    r2 = (o if o_b is None else o + o_b) + r
     g, u = linear(norm(r2, post_norm), 2).chunk(2, dim=-1)
     return linear(F.silu(g) * u, 3), r2
 
 
 @pytest.mark.parametrize("int8", [False, True])
-@pytest.mark.parametrize(("kv_lens", "window", "first"), [
-    ([37], 0, False), ([1], 0, True), ([5, 130, 64], 0, False), ([90, 12], 24, False)])
+@pytest.mark.parametrize(("kv_lens", "window", "first", "extras"), [
+    ([37], 0, False, False), ([1], 0, True, False), ([5, 130, 64], 0, False, False),
+    ([90, 12], 24, False, False), ([40, 3], 0, False, True)])
 def test_decoder_layer_matches_its_steps(kv_lens: list[int], window: int, first: bool,
-                                         int8: bool) -> None:
+                                         extras: bool, int8: bool) -> None:
     """One decode step's layer in one call (cpu_layer.cpp) against the same steps op by op:
     SmolLM2's shapes (9 heads over 3 KV heads of 64, hidden 576, intermediate 1536); requests
-    of 1 to 130 keys, a sliding window, the first layer (no residual yet); bf16 and int8
-    weights."""
+    of 1 to 130 keys, a sliding window, the first layer (no residual yet), q/k/v and o biases
+    with per-head q and k norms (Qwen2's, Qwen3's); bf16 and int8 weights."""
     assert cpu_kernels.load(), cpu_kernels.load_error
     g = torch.Generator().manual_seed(sum(kv_lens) + window)
     hidden, inter, heads, kv_heads, d, pages = 576, 1536, 9, 3, 64, 512
@@ -594,6 +602,12 @@ def test_decoder_layer_matches_its_steps(kv_lens: list[int], window: int, first:
     x = torch.randn(m, hidden, generator=g).bfloat16()
     res = None if first else torch.randn(m, hidden, generator=g).bfloat16()
     in_norm, post_norm = (1 + 0.1 * torch.randn(2, hidden, generator=g)).bfloat16()
+    qkv_b = o_b = q_norm = k_norm = None
+    if extras:
+        qkv_b, o_b = (torch.randn(n, generator=g).bfloat16()
+                      for n in ((heads + 2 * kv_heads) * d, hidden))
+        q_norm, k_norm = (1 + 0.1 * torch.randn(2, d, generator=g)).bfloat16()
+    opt = (qkv_b, o_b, q_norm, k_norm)
     shapes = [((heads + 2 * kv_heads) * d, hidden), (hidden, heads * d), (2 * inter, hidden),
               (hidden, inter)]
     ws = [(torch.randn(n, k, generator=g) / math.sqrt(k)).bfloat16() for n, k in shapes]
@@ -613,10 +627,10 @@ def test_decoder_layer_matches_its_steps(kv_lens: list[int], window: int, first:
     else:
         packed, scales = [torch.ops.minisgl_cpu.bf16_pack(w) for w in ws], []
     got_pool, want_pool = pool.clone(), pool.clone()
-    y, r2 = cpu_kernels.decoder_layer(x, res, in_norm, post_norm, packed, scales, cos, sin,
-                                      got_pool[0], got_pool[1], out_loc, slots, *index,
+    y, r2 = cpu_kernels.decoder_layer(x, res, in_norm, post_norm, packed, scales, *opt, cos,
+                                      sin, got_pool[0], got_pool[1], out_loc, slots, *index,
                                       d ** -0.5, 1e-5, heads, kv_heads, window)
-    want_y, want_r2 = _layer_reference(x, res, in_norm, post_norm, packed, scales, cos, sin,
+    want_y, want_r2 = _layer_reference(x, res, in_norm, post_norm, packed, scales, *opt, cos, sin,
                                        want_pool[0], want_pool[1], out_loc, slots, *index,
                                        d ** -0.5, 1e-5, heads, kv_heads, window)
     assert torch.equal(got_pool, want_pool)  # the new K/V, at out_loc only
@@ -634,6 +648,6 @@ def test_decoder_layer_refuses_a_prefill_step() -> None:
     pool = torch.zeros(1, 16, d, dtype=torch.bfloat16)
     slots = torch.arange(1, 3)[None]
     with pytest.raises(RuntimeError, match="one new token per request"):
-        cpu_kernels.decoder_layer(x, None, norm, norm, ws, [], cs, cs, pool,
+        cpu_kernels.decoder_layer(x, None, norm, norm, ws, [], None, None, None, None, cs, cs, pool,
                                   pool.clone(), slots[0], slots, torch.tensor([2]),
                                   torch.tensor([0]), torch.tensor([2]), 0.1, 1e-5, 2, 1)

@@ -1,6 +1,7 @@
 """The CPU backend's one-call decoder layer (minisgl_cpu::decoder_layer) in a real engine: decode
-steps through it give the logits of the model's own modules, and layers it does not compute (q/k
-norms, biases) keep their modules."""
+steps through it give the tokens and (but for the order of float32 sums) the logits of the
+model's own modules, for SmolLM2 in bf16 and int8 and for the family's variants (biases, q/k
+norms)."""
 
 from __future__ import annotations
 
@@ -67,25 +68,21 @@ def test_fused_decode_gives_the_modules_logits(smollm2_path: str, quantization: 
     assert max(d.max().item() for d in diffs) <= 1.0
 
 
-@pytest.mark.parametrize(("overrides", "fused"), [
-    ({"attention_bias": False}, True),
-    ({"attention_bias": True}, False),  # biases on q/k/v/o: the modules
+@pytest.mark.parametrize(("name", "overrides"), [
+    ("llama-tied-mqa-bias", {"attention_bias": False}),
+    ("llama-tied-mqa-bias", {"attention_bias": True}),  # biases on q, k, v and o
+    ("qwen3-tied", {}),  # RMSNorm on each head of q and k
 ])
-def test_fused_layer_only_where_it_computes_the_layer(tmp_path: Path, overrides: dict[str, Any],
-                                                      fused: bool,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = SPEC_BY_NAME["llama-tied-mqa-bias"]
-    path = save_tiny(spec, tmp_path / "m", head_dim=32, **overrides)  # 32: the kernel's minimum
-    prompts = make_prompts([9, 20], VOCAB, seed=1)
+def test_fused_layer_variants(tmp_path: Path, name: str, overrides: dict[str, Any],
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiny bf16 models of the family (head_dim 32, the kernel's smallest): every decode step's
+    layers in one call, with the modules' tokens and (but for rounding order) logits."""
+    path = save_tiny(SPEC_BY_NAME[name], tmp_path / "m", head_dim=32, **overrides)
+    prompts = make_prompts([9, 20, 33], VOCAB, seed=1)
     kw = {"num_pages": 64, "page_size": 4}
-    ids0, _, _ = _run(str(path), False, prompts, monkeypatch, **kw)
-    ids1, _, calls = _run(str(path), True, prompts, monkeypatch, **kw)
-    assert (calls > 0) is fused
+    ids0, rec0, _ = _run(str(path), False, prompts, monkeypatch, **kw)
+    ids1, rec1, calls = _run(str(path), True, prompts, monkeypatch, **kw)
+    assert calls > 0
     assert ids1 == ids0
-
-
-def test_qk_norm_layers_keep_their_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = save_tiny(SPEC_BY_NAME["qwen3-tied"], tmp_path / "q")  # head_dim 32, q/k norms
-    _, _, calls = _run(str(path), True, make_prompts([9], VOCAB), monkeypatch, num_pages=64,
-                       page_size=4)
-    assert calls == 0
+    exact = sum(bool(torch.equal(l0, l1)) for (_, l0), (_, l1) in zip(rec0, rec1))
+    assert exact >= 0.75 * len(rec0)

@@ -185,7 +185,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
 
 def decoder_layer(x: torch.Tensor, residual: torch.Tensor | None, in_norm: torch.Tensor,
                   post_norm: torch.Tensor, weights: list[torch.Tensor],
-                  scales: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                  scales: list[torch.Tensor], qkv_bias: torch.Tensor | None,
+                  o_bias: torch.Tensor | None, q_norm: torch.Tensor | None,
+                  k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                   k_pool: torch.Tensor, v_pool: torch.Tensor, out_loc: torch.Tensor,
                   slots: torch.Tensor, kv_lens: torch.Tensor, q_start: torch.Tensor,
                   q_lens: torch.Tensor, scale: float, eps: float, heads: int, kv_heads: int,
@@ -195,10 +197,13 @@ def decoder_layer(x: torch.Tensor, residual: torch.Tensor | None, in_norm: torch
     x, residual [M, hidden] bf16 (residual None in the first layer: x is the residual); norm
     weights [hidden]; ``weights`` the qkv (q, k, v heads in order), o, gate_up (gate then up)
     and down weights packed by ``bf16_pack`` (``scales`` empty) or by ``int8_pack`` (``scales``
-    their float32 per-output scales); cos, sin [M, head_dim] at each row's position; the pool
+    their float32 per-output scales); the qkv and o biases and Qwen3's per-head q and k norm
+    weights where the layer has them (else None); cos, sin [M, head_dim] at each row's
+    position; the pool
     and index tensors as for ``paged_attention`` with one new token per request, stored at
     out_loc."""
     y, r = torch.ops.minisgl_cpu.decoder_layer(
-        x, residual, in_norm, post_norm, weights, scales, cos, sin, k_pool, v_pool, out_loc,
+        x, residual, in_norm, post_norm, weights, scales, qkv_bias, o_bias, q_norm, k_norm, cos,
+        sin, k_pool, v_pool, out_loc,
         slots, kv_lens, q_start, q_lens, scale, eps, heads, kv_heads, window)
     return y, r

@@ -21,7 +21,7 @@ the PyTorch path masks them, with one more mask per step and window size.
 With the kernels, a decode step's Llama-family decoder layers run as one ``decoder_layer`` call
 each (``fused_decoder_layer``, registered with minisgl.core.layers): norms, linears, RoPE, the
 K/V store and this attention in C++ back to back, where the layer's weights are in the bf16 or
-int8 kernel's layout without biases or q/k norms and TP is 1; ``MINISGL_FUSED_LAYER=off`` keeps the
+int8 kernel's layout and TP is 1 (Llama, Mistral, Qwen2's biases, Qwen3's q/k norms); ``MINISGL_FUSED_LAYER=off`` keeps the
 modules.
 """
 
@@ -209,10 +209,8 @@ class TorchNativeBackend(AttentionBackend):
 def _kernel_weights(linears: tuple[QuantizableLinear, ...]
                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
     """The layers' weights and int8 scales (none for bf16) as ``decoder_layer`` takes them, or
-    None where a layer is in another format, mixed with the others, or has a bias."""
+    None where a layer is in another format or mixed with the others."""
     ops = torch.ops.minisgl_cpu
-    if any(m.bias is not None for m in linears):
-        return None
     if all(m.packed is not None and m.packed_linear is ops.bf16_linear.default for m in linears):
         return [m.packed for m in linears if m.packed is not None], []
     if all(m.qweight is not None and m.qscale is not None
@@ -233,16 +231,18 @@ def fused_decoder_layer(p: DecoderLayerParts, x: torch.Tensor, residual: torch.T
             and meta.kernel.decode):
         return None
     weights = _kernel_weights((p.qkv, p.o, p.gate_up, p.down))
-    if (weights is None or p.qk_norm or x.dtype != torch.bfloat16
-            or p.in_norm.eps != p.post_norm.eps
-            or p.o.comm.world_size > 1 or p.down.comm.world_size > 1
-            or p.in_norm.weight.dtype != torch.bfloat16
-            or p.post_norm.weight.dtype != torch.bfloat16):
+    norms = [n for n in (p.in_norm, p.post_norm, p.q_norm, p.k_norm) if n is not None]
+    if (weights is None or x.dtype != torch.bfloat16 or (p.q_norm is None) != (p.k_norm is None)
+            or any(n.eps != p.in_norm.eps or n.weight.dtype != torch.bfloat16 for n in norms)
+            or p.gate_up.bias is not None or p.down.bias is not None
+            or p.o.comm.world_size > 1 or p.down.comm.world_size > 1):
         return None
     cos, sin = cos_sin
     t, layer, a = x.shape[0], p.layer_id, meta.kernel
     return cpu_kernels.decoder_layer(
-        x, residual, p.in_norm.weight, p.post_norm.weight, *weights, cos.reshape(t, -1),
+        x, residual, p.in_norm.weight, p.post_norm.weight, *weights, p.qkv.bias, p.o.bias,
+        None if p.q_norm is None else p.q_norm.weight,
+        None if p.k_norm is None else p.k_norm.weight, cos.reshape(t, -1),
         sin.reshape(t, -1), backend.kv.k[layer], backend.kv.v[layer], meta.out_loc, a.slots,
         a.kv_lens, a.q_start, a.q_lens, backend.scale, p.in_norm.eps, p.qkv.num_heads,
         p.qkv.num_kv_heads, backend.windows[layer])

@@ -87,7 +87,7 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         self.parts = DecoderLayerParts(layer_id, self.input_layernorm, attn.qkv_proj, attn.o_proj,
                                        self.post_attention_layernorm, mlp.gate_up_proj,
-                                       mlp.down_proj, variant.qk_norm)
+                                       mlp.down_proj, attn.q_norm, attn.k_norm)
 
     def forward(self, rope: CosSin, x: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:

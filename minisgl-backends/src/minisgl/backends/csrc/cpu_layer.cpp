@@ -3,8 +3,9 @@
 // the CPU backend's decode steps (minisgl/backends/torch_native.py, fused_decoder_layer):
 //
 //   r = x + residual (x alone in the first layer)        h = RMSNorm_in(r)
-//   q, k, v = h @ Wqkv.T, RoPE on q and k, k and v stored at out_loc
-//   a = paged attention of q                              r2 = a @ Wo.T + r
+//   q, k, v = h @ Wqkv.T (+ bias), RMSNorm per head of q and k (Qwen3's, where given),
+//   RoPE on q and k, k and v stored at out_loc
+//   a = paged attention of q                              r2 = a @ Wo.T (+ bias) + r
 //   h2 = RMSNorm_post(r2)                                 y = (silu(g) * u) @ Wdown.T, [g u] = h2 @ Wgu.T
 //
 // and returns (y, r2), what the model's Python layer returns. Why: a batch-1 SmolLM2 decode step
@@ -63,24 +64,40 @@ inline __m256i round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 inline __m512 rounded(__m512 v) { return _mm512_cvtpbh_ps((__m256bh)round16(v)); }
 inline void store(bf16* p, __m512 v, __mmask16 k) { _mm256_mask_storeu_epi16(p, k, round16(v)); }
 
-// r = x + res (or x), y = w * (r * rsqrt(mean(r^2) + eps)), rounded as RMSNorm rounds them.
+// r = x + res (or x), y = w * (r * rsqrt(mean(r^2) + eps)) for one row of H, rounded as
+// RMSNorm rounds them.
+void norm_row(const bf16* x, const bf16* res, const bf16* w, double eps, int64_t H, bf16* r,
+              bf16* y) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < H; i += 16) {
+    const __mmask16 k = tail(i, H);
+    __m512 v = load(x + i, k);
+    if (res != nullptr) v = rounded(_mm512_add_ps(v, load(res + i, k)));
+    store(r + i, v, k);
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const float mean = _mm512_reduce_add_ps(ss) / static_cast<float>(H);
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(mean + static_cast<float>(eps)));
+  for (int64_t i = 0; i < H; i += 16) {
+    const __mmask16 k = tail(i, H);
+    const __m512 normed = rounded(_mm512_mul_ps(load(r + i, k), inv));
+    store(y + i, _mm512_mul_ps(load(w + i, k), normed), k);
+  }
+}
+
 void add_rms_norm(const bf16* x, const bf16* res, const bf16* w, double eps, int64_t M,
                   int64_t H, bf16* r, bf16* y) {
   each_row(M, [&](int64_t m) {
-    __m512 ss = _mm512_setzero_ps();
-    for (int64_t i = 0; i < H; i += 16) {
-      const __mmask16 k = tail(i, H);
-      __m512 v = load(x + m * H + i, k);
-      if (res != nullptr) v = rounded(_mm512_add_ps(v, load(res + m * H + i, k)));
-      store(r + m * H + i, v, k);
-      ss = _mm512_fmadd_ps(v, v, ss);
-    }
-    const float mean = _mm512_reduce_add_ps(ss) / static_cast<float>(H);
-    const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(mean + static_cast<float>(eps)));
-    for (int64_t i = 0; i < H; i += 16) {
-      const __mmask16 k = tail(i, H);
-      const __m512 normed = rounded(_mm512_mul_ps(load(r + m * H + i, k), inv));
-      store(y + m * H + i, _mm512_mul_ps(load(w + i, k), normed), k);
+    norm_row(x + m * H, res == nullptr ? nullptr : res + m * H, w, eps, H, r + m * H, y + m * H);
+  });
+}
+
+// y[m] += b (a linear layer's bias), rounded to bf16.
+void add_bias(bf16* y, const bf16* b, int64_t M, int64_t N) {
+  each_row(M, [&](int64_t m) {
+    for (int64_t i = 0; i < N; i += 16) {
+      const __mmask16 k = tail(i, N);
+      store(y + m * N + i, _mm512_add_ps(load(y + m * N + i, k), load(b + i, k)), k);
     }
   });
 }
@@ -120,7 +137,10 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "decoder_layer: ", what)
 
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& in_norm,
-    const at::Tensor& post_norm, at::TensorList weights, at::TensorList scales, const at::Tensor& cos,
+    const at::Tensor& post_norm, at::TensorList weights, at::TensorList scales,
+    const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& o_bias,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+    const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& k_pool, const at::Tensor& v_pool,
     const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& kv_lens,
     const at::Tensor& q_start, const at::Tensor& q_lens, double scale, double eps,
@@ -160,7 +180,17 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     check(loc[m] >= 0 && loc[m] < S, "out_loc outside the pool");
   }
 
-  check(D % 32 == 0, "head_dim must be a multiple of 32");
+  check(D % 32 == 0 && D <= 256, "head_dim must be a multiple of 32, at most 256");
+  auto vec = [&](const std::optional<at::Tensor>& t, int64_t n) {
+    check(!t || (t->numel() == n && t->is_contiguous() && t->scalar_type() == at::kBFloat16),
+          "biases and q/k norm weights: contiguous bf16 of their layer's outputs / head_dim");
+    return t ? t->const_data_ptr<bf16>() : nullptr;
+  };
+  const bf16* qkv_b = vec(qkv_bias, NQKV);
+  const bf16* o_b = vec(o_bias, H);
+  const bf16* qn = vec(q_norm, D);
+  const bf16* kn = vec(k_norm, D);
+  check((qn == nullptr) == (kn == nullptr), "q_norm and k_norm: both or neither");
   std::tuple<at::Tensor, at::Tensor> out;
 #if MINISGL_LAYER_FAST
   const auto opt = x.options();
@@ -170,6 +200,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
                in_norm.const_data_ptr<bf16>(), eps, M, H, r.mutable_data_ptr<bf16>(),
                h.mutable_data_ptr<bf16>());
   linear(0, h, H, qkv, NQKV);
+  if (qkv_b != nullptr) add_bias(qkv.mutable_data_ptr<bf16>(), qkv_b, M, NQKV);
 
   bf16* kp = k_pool.mutable_data_ptr<bf16>();
   bf16* vp = v_pool.mutable_data_ptr<bf16>();
@@ -177,10 +208,16 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const bf16* row = qkv.const_data_ptr<bf16>() + m * NQKV;
     const bf16* c = cos.const_data_ptr<bf16>() + m * D;
     const bf16* s = sin.const_data_ptr<bf16>() + m * D;
+    bf16 copy[256], normed[256];  // a head of q or k, and the head after its RMSNorm (Qwen3)
+    auto head = [&](const bf16* src, const bf16* w) {
+      if (w == nullptr) return src;
+      norm_row(src, nullptr, w, eps, D, copy, normed);
+      return static_cast<const bf16*>(normed);
+    };
     for (int64_t hd = 0; hd < heads; ++hd)
-      rope(row + hd * D, c, s, D, q.mutable_data_ptr<bf16>() + (m * heads + hd) * D);
+      rope(head(row + hd * D, qn), c, s, D, q.mutable_data_ptr<bf16>() + (m * heads + hd) * D);
     for (int64_t hd = 0; hd < kv_heads; ++hd) {
-      rope(row + NQ + hd * D, c, s, D, kp + (hd * S + loc[m]) * D);
+      rope(head(row + NQ + hd * D, kn), c, s, D, kp + (hd * S + loc[m]) * D);
       std::memcpy(vp + (hd * S + loc[m]) * D, row + NQ + NKV + hd * D, D * sizeof(bf16));
     }
   });
@@ -189,6 +226,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
                                           scale, window);
   at::Tensor o = at::empty({M, H}, opt), r2 = at::empty({M, H}, opt);
   linear(1, a, NQ, o, H);
+  if (o_b != nullptr) add_bias(o.mutable_data_ptr<bf16>(), o_b, M, H);
   add_rms_norm(o.const_data_ptr<bf16>(), r.const_data_ptr<bf16>(),
                post_norm.const_data_ptr<bf16>(), eps, M, H, r2.mutable_data_ptr<bf16>(),
                h.mutable_data_ptr<bf16>());
@@ -209,7 +247,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
 
 TORCH_LIBRARY_FRAGMENT(minisgl_cpu, m) {
   m.def("decoder_layer(Tensor x, Tensor? residual, Tensor in_norm, Tensor post_norm, "
-        "Tensor[] weights, Tensor[] scales, Tensor cos, Tensor sin, "
+        "Tensor[] weights, Tensor[] scales, Tensor? qkv_bias, Tensor? o_bias, Tensor? q_norm, "
+        "Tensor? k_norm, Tensor cos, Tensor sin, "
         "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor out_loc, Tensor slots, Tensor kv_lens, "
         "Tensor q_start, Tensor q_lens, float scale, float eps, int heads, int kv_heads, "
         "int window) -> (Tensor, Tensor)");

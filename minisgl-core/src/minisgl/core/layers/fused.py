@@ -6,8 +6,8 @@ Python and dispatch between them (the compiled graph's wrapper, Inductor's small
 buffers) took ~1/5 of the step while the memory bus idled (docs/benchmarks.md). A backend may
 register ``fn(parts, x, residual, cos_sin, ctx)``: the layer's ``(output, new residual)``
 computed in one call, or None where it does not apply (a prefill step, another backend's
-metadata, weights in a layout its kernel does not read, biases, q/k norms, tensor
-parallelism); the model then runs its modules. minisgl-backends registers one for its CPU
+metadata, weights in a layout its kernel does not read, tensor parallelism); the model then
+runs its modules. minisgl-backends registers one for its CPU
 kernels' decode steps (``MINISGL_FUSED_LAYER=off`` keeps the modules).
 """
 
@@ -40,7 +40,8 @@ class DecoderLayerParts:
     post_norm: RMSNorm
     gate_up: MergedColumnParallelLinear
     down: RowParallelLinear
-    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
+    q_norm: RMSNorm | None = None  # RMSNorm on each head of q and k before RoPE (Qwen3)
+    k_norm: RMSNorm | None = None
 
 
 FusedLayer = Callable[[DecoderLayerParts, torch.Tensor, "torch.Tensor | None", CosSin,
