@@ -21,8 +21,8 @@ the PyTorch path masks them, with one more mask per step and window size.
 With the kernels, a decode step's Llama-family decoder layers run as one ``decoder_layer`` call
 each (``fused_decoder_layer``, registered with minisgl.core.layers): norms, linears, RoPE, the
 K/V store and this attention in C++ back to back, where the layer's weights are in the bf16 or
-int8 kernel's layout and TP is 1 (Llama, Mistral, Qwen2's biases, Qwen3's q/k norms); ``MINISGL_FUSED_LAYER=off`` keeps the
-modules.
+int8 kernel's layout and TP is 1 (Llama, Mistral, Qwen2's biases, Qwen3's q/k norms);
+``MINISGL_FUSED_LAYER=off`` keeps the modules.
 """
 
 from __future__ import annotations
@@ -232,8 +232,10 @@ def fused_decoder_layer(p: DecoderLayerParts, x: torch.Tensor, residual: torch.T
         return None
     weights = _kernel_weights((p.qkv, p.o, p.gate_up, p.down))
     norms = [n for n in (p.in_norm, p.post_norm, p.q_norm, p.k_norm) if n is not None]
+    biases = [b for b in (p.qkv.bias, p.o.bias) if b is not None]
     if (weights is None or x.dtype != torch.bfloat16 or (p.q_norm is None) != (p.k_norm is None)
             or any(n.eps != p.in_norm.eps or n.weight.dtype != torch.bfloat16 for n in norms)
+            or any(b.dtype != torch.bfloat16 for b in biases)
             or p.gate_up.bias is not None or p.down.bias is not None
             or p.o.comm.world_size > 1 or p.down.comm.world_size > 1):
         return None

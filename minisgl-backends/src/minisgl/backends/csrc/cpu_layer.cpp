@@ -6,13 +6,14 @@
 //   q, k, v = h @ Wqkv.T (+ bias), RMSNorm per head of q and k (Qwen3's, where given),
 //   RoPE on q and k, k and v stored at out_loc
 //   a = paged attention of q                              r2 = a @ Wo.T (+ bias) + r
-//   h2 = RMSNorm_post(r2)                                 y = (silu(g) * u) @ Wdown.T, [g u] = h2 @ Wgu.T
+//   h2 = RMSNorm_post(r2), [g u] = h2 @ Wgu.T             y = (silu(g) * u) @ Wdown.T
 //
 // and returns (y, r2), what the model's Python layer returns. Why: a batch-1 SmolLM2 decode step
-// spent ~20% of its time outside the weight stream, most of it in the ~30 lines of the compiled
-// graph's Python wrapper per layer (4 linears, attention, 3 fused Inductor kernels, their
-// buffers) while the memory bus idled; one call per layer leaves the 4 linears and the attention
-// as C++ calls back to back. Every intermediate is rounded to bf16 where the PyTorch layer rounds
+// spent ~20% of its time outside the weight stream, ~0.9 ms of 8.8 in the compiled graph's Python
+// wrapper and Inductor's small kernels (~30 lines per layer around 4 linears, the attention and
+// 3 fused kernels) while the memory bus idled; one call per layer leaves the linears and the
+// attention as C++ calls back to back (wrapper 0.89 -> 0.33 ms per step; decode 1.04x at batch
+// 1, 1.06-1.08x at 16 requests, docs/benchmarks.md). Every intermediate is rounded to bf16 where the PyTorch layer rounds
 // it (the residual sum, the normalized rows, each RoPE product and their sum, silu(g), the
 // product with u), so the result is the eager layer's up to the order of float32 sums.
 
