@@ -7,8 +7,8 @@ buffers) took ~1/5 of the step while the memory bus idled (docs/benchmarks.md). 
 register ``fn(parts, x, residual, cos_sin, ctx)``: the layer's ``(output, new residual)``
 computed in one call, or None where it does not apply (a prefill step, another backend's
 metadata, weights in a layout its kernel does not read, tensor parallelism); the model then
-runs its modules. minisgl-backends registers one for its CPU
-kernels' decode steps (``MINISGL_FUSED_LAYER=off`` keeps the modules).
+runs its modules. minisgl-backends registers one for its CPU kernels' decode steps
+(``MINISGL_FUSED_LAYER=off`` keeps the modules).
 """
 
 from __future__ import annotations
