@@ -199,11 +199,10 @@ def decoder_layer(x: torch.Tensor, residual: torch.Tensor | None, in_norm: torch
     and down weights packed by ``bf16_pack`` (``scales`` empty) or by ``int8_pack`` (``scales``
     their float32 per-output scales); the qkv and o biases and Qwen3's per-head q and k norm
     weights where the layer has them (else None); cos, sin [M, head_dim] at each row's
-    position; the pool
-    and index tensors as for ``paged_attention`` with one new token per request, stored at
-    out_loc."""
+    position; the pool and index tensors as for ``paged_attention`` with one new token per
+    request, stored at out_loc."""
     y, r = torch.ops.minisgl_cpu.decoder_layer(
         x, residual, in_norm, post_norm, weights, scales, qkv_bias, o_bias, q_norm, k_norm, cos,
-        sin, k_pool, v_pool, out_loc,
-        slots, kv_lens, q_start, q_lens, scale, eps, heads, kv_heads, window)
+        sin, k_pool, v_pool, out_loc, slots, kv_lens, q_start, q_lens, scale, eps, heads,
+        kv_heads, window)
     return y, r

@@ -13,9 +13,10 @@
 // wrapper and Inductor's small kernels (~30 lines per layer around 4 linears, the attention and
 // 3 fused kernels) while the memory bus idled; one call per layer leaves the linears and the
 // attention as C++ calls back to back (wrapper 0.89 -> 0.33 ms per step; decode 1.04x at batch
-// 1, 1.06-1.08x at 16 requests, docs/benchmarks.md). Every intermediate is rounded to bf16 where the PyTorch layer rounds
-// it (the residual sum, the normalized rows, each RoPE product and their sum, silu(g), the
-// product with u), so the result is the eager layer's up to the order of float32 sums.
+// 1, 1.06-1.08x at 16 requests, docs/benchmarks.md). Every intermediate is rounded to bf16 where
+// the PyTorch layer rounds it (the residual sum, the normalized rows, each RoPE product and their
+// sum, silu(g), the product with u), so the result is the eager layer's up to the order of
+// float32 sums.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -141,11 +142,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& post_norm, at::TensorList weights, at::TensorList scales,
     const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& o_bias,
     const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
-    const at::Tensor& cos,
-    const at::Tensor& sin, const at::Tensor& k_pool, const at::Tensor& v_pool,
-    const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& kv_lens,
-    const at::Tensor& q_start, const at::Tensor& q_lens, double scale, double eps,
-    int64_t heads, int64_t kv_heads, int64_t window) {
+    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
+    const at::Tensor& v_pool, const at::Tensor& out_loc, const at::Tensor& slots,
+    const at::Tensor& kv_lens, const at::Tensor& q_start, const at::Tensor& q_lens, double scale,
+    double eps, int64_t heads, int64_t kv_heads, int64_t window) {
   TORCH_CHECK(MINISGL_LAYER_FAST, "decoder_layer needs AVX512-BF16");
   const int64_t M = x.size(0), H = x.size(1), D = k_pool.size(2), S = k_pool.size(1);
   const int64_t NQ = heads * D, NKV = kv_heads * D, NQKV = NQ + 2 * NKV;

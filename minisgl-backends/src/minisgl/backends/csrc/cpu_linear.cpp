@@ -372,6 +372,16 @@ void check_packed(const at::Tensor& x, const at::Tensor& wp, int64_t N, const ch
               "packed weight's ", NB, " blocks");
 }
 
+// y [M, N] = x [M, K] @ w.T, w packed by bf16_pack; x contiguous.
+void bf16_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& wp, int64_t N,
+               c10::BFloat16* y) {
+#if MINISGL_LINEAR_FAST
+  const Args a{reinterpret_cast<const int32_t*>(x), K / 2,
+               static_cast<const char*>(wp.const_data_ptr()), y, N, nullptr, nullptr};
+  run<Bf16Format>(a, M, wp.size(0));
+#endif
+}
+
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
   TORCH_CHECK(MINISGL_LINEAR_FAST, "bf16_linear needs AVX512-BF16 and AVX512-VNNI");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16,
@@ -379,13 +389,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
   check_packed(x, wp, N, "bf16_pack");
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
-#if MINISGL_LINEAR_FAST
   at::Tensor xc = x.contiguous(), wc = wp.contiguous();
-  const Args a{static_cast<const int32_t*>(xc.const_data_ptr()), x.size(1) / 2,
-               static_cast<const char*>(wc.const_data_ptr()),
-               y.mutable_data_ptr<c10::BFloat16>(), N, nullptr, nullptr};
-  run<Bf16Format>(a, M, wp.size(0));
-#endif
+  bf16_into(xc.const_data_ptr<c10::BFloat16>(), M, x.size(1), wc, N,
+            y.mutable_data_ptr<c10::BFloat16>());
   return y;
 }
 
@@ -441,15 +447,10 @@ void linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor&
               " inputs and N = ", N, " outputs");
   TORCH_CHECK(!int8 || (scales->numel() == N && scales->is_contiguous() &&
                         scales->scalar_type() == at::kFloat), "scales: float32 [", N, "]");
-#if MINISGL_LINEAR_FAST
-  if (int8) {
+  if (int8)
     int8_into(x, M, K, packed, scales->const_data_ptr<float>(), N, y);
-    return;
-  }
-  const Args a{reinterpret_cast<const int32_t*>(x), K / 2,
-               static_cast<const char*>(packed.const_data_ptr()), y, N, nullptr, nullptr};
-  run<Bf16Format>(a, M, packed.size(0));
-#endif
+  else
+    bf16_into(x, M, K, packed, N, y);
 }
 
 }  // namespace minisgl
