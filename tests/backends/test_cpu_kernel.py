@@ -6,6 +6,9 @@ kernel; the PyTorch path it falls back to is the one test_attention_conformance 
 The bf16 and int8 linear kernels directly (rows of x from the GEMV to many panels, weight shapes
 with tail blocks) and through minisgl.core.layers.quant's layers, which must use them once the
 kernels are loaded. The sampler's argmax and log-sum-exp against plain Python in float64.
+
+The linear and sampling kernels run on every x86 CPU with AVX2 and FMA (their AVX2 build, or the
+AVX-512 one); the attention and the decoder layer need AVX512-BF16 (``avx512``).
 """
 
 from __future__ import annotations
@@ -24,22 +27,31 @@ from minisgl.core.sampling_params import SamplingParams
 from minisgl.core.testing.attention import run_case
 
 
-def _has_avx512_bf16() -> bool:
+def _cpu_flags() -> set[str]:
     try:
-        return "avx512_bf16" in open("/proc/cpuinfo").read()
-    except OSError:
-        return False
+        with open("/proc/cpuinfo") as f:
+            line = next(x for x in f if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())
 
 
+HAS_AVX512_BF16 = {"avx512_bf16", "avx512_vnni", "avx512bw"} <= _cpu_flags()
 pytestmark = pytest.mark.skipif(
-    not cpu_kernels.enabled() or not _has_avx512_bf16(),
-    reason="MINISGL_CPU_KERNELS=off or no AVX512-BF16 on this CPU")
+    not cpu_kernels.enabled() or not {"avx2", "fma"} <= _cpu_flags(),
+    reason="MINISGL_CPU_KERNELS=off or no AVX2 with FMA on this CPU")
+avx512 = pytest.mark.skipif(not HAS_AVX512_BF16, reason="no AVX512-BF16 on this CPU")
 
 
 def test_kernel_builds_and_loads() -> None:
-    """On a CPU with AVX512-BF16 and a compiler (this project's CI) the kernel must be there."""
+    """With a compiler (this project's CI) the kernels must be there: the linear kernels' AVX2
+    build on a CPU with AVX2 and FMA, everything on one with AVX512-BF16."""
     assert cpu_kernels.load(), cpu_kernels.load_error
-    assert torch.ops.minisgl_cpu.available()
+    ops = torch.ops.minisgl_cpu
+    assert ops.linear_isa() == ("avx512" if HAS_AVX512_BF16 else "avx2")
+    assert ops.available() == HAS_AVX512_BF16 == cpu_kernels.has_attention()
+    assert (cpu_kernels.attention_error is None) == HAS_AVX512_BF16
+    assert cpu_kernels.supports(torch.bfloat16, 9, 3, 64) == HAS_AVX512_BF16
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -97,6 +109,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
                                        torch.cumsum(ql, 0) - ql, ql, scale, window)
 
 
+@avx512
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim"),
                          [(3, 3, 64), (2, 2, 128), (1, 8, 32), (4, 1, 64), (2, 4, 256)])
@@ -120,6 +133,7 @@ def test_matches_float64(case: str, kv_heads: int, group: int, head_dim: int) ->
     assert (out[:n].double() - ref[:n]).abs().max().item() <= 2 * err_sdpa + 2e-3
 
 
+@avx512
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("window", [1, 7, 16, 50])
 def test_sliding_window_matches_float64(case: str, window: int) -> None:
@@ -137,6 +151,7 @@ def test_sliding_window_matches_float64(case: str, window: int) -> None:
         assert (full - ref).abs().max().item() > 0.1
 
 
+@avx512
 def test_sliding_window_does_not_read_keys_before_it() -> None:
     """Keys before every query's window are NaN: a kernel that read (or multiplied by zero)
     any of them would return NaN."""
@@ -157,6 +172,7 @@ def test_sliding_window_does_not_read_keys_before_it() -> None:
     assert (out.double() - ref).abs().max().item() < 2e-2
 
 
+@avx512
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (1, 8, 32), (2, 1, 128)])
 def test_decode_over_shared_prefixes_matches_float64(kv_heads: int, group: int,
                                                      head_dim: int) -> None:
@@ -194,6 +210,7 @@ def test_decode_over_shared_prefixes_matches_float64(kv_heads: int, group: int,
     assert (out.double() - ref).abs().max().item() < 2e-2
 
 
+@avx512
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(("phase", "prefix_lens", "new_lens"), [
     ("prefill", [0, 0, 0], [1, 17, 40]),
@@ -217,6 +234,7 @@ def test_backend_uses_kernel_on_paged_pool(monkeypatch: pytest.MonkeyPatch, page
     assert calls, "the torch backend did not use the CPU kernel for a bf16 pool"
 
 
+@avx512
 def test_bad_inputs_are_refused() -> None:
     assert cpu_kernels.load(), cpu_kernels.load_error
     q = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
@@ -347,11 +365,11 @@ def test_int8_linear_bad_inputs_are_refused() -> None:
         ops.int8_linear(x, packed, s[:4], 20)
 
 
-# rows: one microkernel pass (<= 6), passes split evenly (7, 13, 21), many passes; the weights:
-# fewer outputs than a block (16), a tail block, a thread's share not a multiple of the 4-block
-# panel, SmolLM2 shapes, and (4, 64) with 300 rows: too few blocks to split, so the rows are
-# split instead
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 21, 300])
+# rows: the GEMV (<= 4 rows in the AVX-512 build, <= 2 in the AVX2 one), one microkernel pass
+# (<= 6 or 4), passes split evenly (7, 13, 21), many passes; the weights: fewer outputs than a
+# block (16), a tail block, a thread's share not a multiple of the 4-block panel, SmolLM2 shapes,
+# and (4, 64) with 300 rows: too few blocks to split, so the rows are split instead
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 21, 300])
 @pytest.mark.parametrize(("n", "k"), [(1, 2), (3, 34), (40, 64), (4, 64), (960, 576),
                                       (577, 1536), (200, 96)])
 def test_bf16_linear_matches_float64(rows: int, n: int, k: int) -> None:
@@ -421,6 +439,41 @@ def test_bf16_linear_zero_rows_and_threads() -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, torch.ops.minisgl_cpu.bf16_linear(x, packed, 300))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_bf16_linear_rounds_to_nearest_even(rows: int) -> None:
+    """Each output is the float32 sum rounded once to bf16, to nearest even (ties included): a
+    weight that adds two inputs of x per output (one pair, so the float32 sum is exact) gives
+    torch's float32 sum rounded to bf16, bit for bit. A NaN or inf in a row of x makes that row
+    NaN (0 * inf in the other outputs' sums) but for the output that adds it, the other rows
+    unchanged."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    ops = torch.ops.minisgl_cpu
+    n, k = 40, 80
+    w = torch.zeros(n, k, dtype=torch.bfloat16)
+    for j in range(n):  # output j = x[2j] + x[2j + 1]
+        w[j, 2 * j] = w[j, 2 * j + 1] = 1.0
+    g = torch.Generator().manual_seed(rows)
+    a = torch.randn(rows, n, generator=g).bfloat16()
+    # b: half a bf16 step of a (a + b a tie, rounded to the even neighbour), or random values
+    exponent = torch.frexp(a.float()).exponent
+    half_step = torch.ldexp(torch.ones(exponent.shape), exponent - 9) * a.float().sign()
+    b = torch.where(torch.rand(rows, n, generator=g) < 0.5, half_step,
+                    torch.randn(rows, n, generator=g)).bfloat16()
+    assert float((a.float() + half_step).bfloat16().float().sub(a.float()).abs().max()) > 0
+    x = torch.stack([a, b], dim=2).reshape(rows, k)
+    packed = ops.bf16_pack(w)
+    got = ops.bf16_linear(x, packed, n)
+    assert torch.equal(got.view(torch.int16), (a.float() + b.float()).bfloat16().view(torch.int16))
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[0, 5] = bad
+        out = ops.bf16_linear(y, packed, n)
+        # output 2 sums x[4] and x[5]: bad itself (inf + finite is inf); the others 0 * bad
+        assert out[0, 2].float().item() == bad or math.isnan(bad)
+        assert bool(out[0, :2].isnan().all() and out[0, 3:].isnan().all())
+        assert torch.equal(out[1:], got[1:])
 
 
 def test_bf16_linear_in_quant_uses_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -585,6 +638,7 @@ def _layer_reference(x, res, in_norm, post_norm, ws, scales, qkv_b, o_b, q_norm,
     return linear(F.silu(g) * u, 3), r2
 
 
+@avx512
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize(("kv_lens", "window", "first", "extras"), [
     ([37], 0, False, False), ([1], 0, True, False), ([5, 130, 64], 0, False, False),
@@ -638,6 +692,7 @@ def test_decoder_layer_matches_its_steps(kv_lens: list[int], window: int, first:
     torch.testing.assert_close(y, want_y)
 
 
+@avx512
 def test_decoder_layer_refuses_a_prefill_step() -> None:
     assert cpu_kernels.load(), cpu_kernels.load_error
     hidden, d = 64, 32

@@ -4,21 +4,29 @@
   read in place, with or without a sliding window, for bf16 on CPUs with AVX512-BF16
   (vdpbf16ps; Intel since Cooper Lake, AMD since Zen 4).
 - ``bf16_pack`` / ``bf16_linear`` (cpu_linear.cpp): bf16 weights in the kernel's own blocked
-  layout and the matmul over it, for any number of rows (AVX512-BF16); ``load()`` registers them
-  with ``minisgl.core.layers.quant.register_bf16_linear``, so weights converted afterwards (the
+  layout and the matmul over it, for any number of rows; ``load()`` registers them with
+  ``minisgl.core.layers.quant.register_bf16_linear``, so weights converted afterwards (the
   engine builds the attention backend first) use them in place of oneDNN.
 - ``int8_pack`` / ``int8_linear`` (cpu_linear.cpp): weight-only int8 in the same blocked layout,
-  for any number of rows (AVX512-VNNI); ``load()`` registers them with
+  for any number of rows; ``load()`` registers them with
   ``minisgl.core.layers.quant.register_int8_linear``, so weights quantized afterwards use them in
   place of ATen's int8 matmul (few rows) and per-call dequantization (many).
+
+  Both linear kernels have two builds: AVX-512 (AVX512-BF16 and AVX512-VNNI) and AVX2 with FMA
+  (x86-64-v3: Intel since Haswell, AMD since Zen; the laptop CPUs without AVX-512), which computes
+  the same sums with 256-bit vectors (``linear_isa()`` says which one runs).
 - ``decoder_layer`` (cpu_layer.cpp): a Llama-family decoder layer of a decode step in one call
   (RMSNorm, QKV, RoPE, the K/V store, ``paged_attention``, O, residual, RMSNorm, gate-up, SiLU,
   down), on weights packed by ``bf16_pack`` or ``int8_pack``; the CPU backend uses it through
   ``minisgl.core.layers.register_fused_decoder_layer`` (torch_native.py says where);
   ``MINISGL_FUSED_LAYER=off`` turns that off.
 - ``argmax_logsumexp`` (cpu_sample.cpp): the greedy token and the log-sum-exp of every row of
-  float32 logits in one call; ``load()`` registers it with
+  float32 logits in one call (AVX-512 or AVX2 with FMA); ``load()`` registers it with
   ``minisgl.core.sampling.register_argmax_logsumexp`` for the default sampler.
+
+``paged_attention`` and ``decoder_layer`` need AVX512-BF16: on an AVX2 CPU ``load()`` succeeds
+with the linear and sampling kernels, ``has_attention()`` is False and the backends keep
+PyTorch's attention (and the decoder layers as modules).
 
 The sources are compiled with the machine's compiler (``-O3 -march=native -fopenmp``) through
 ``torch.utils.cpp_extension`` into ``~/.cache/minisgl/ext/<key>``, the key covering the sources
@@ -26,6 +34,7 @@ The sources are compiled with the machine's compiler (``-O3 -march=native -fopen
 the built library in well under a second. Building needs a C++ compiler with OpenMP and ninja
 (a dependency of this package); when either is missing or the build fails, ``load()`` returns
 False with the reason in ``load_error`` and the backends keep their pure-PyTorch path.
+``attention_error`` says why ``has_attention()`` is False where ``load()`` is True.
 ``MINISGL_CPU_KERNELS=off`` turns the kernels off.
 """
 
@@ -58,7 +67,9 @@ HEADERS = [Path(__file__).parent / "csrc" / name  # part of the build's cache ke
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 load_error: str | None = None
+attention_error: str | None = None
 _state: bool | None = None
+_attention = False
 _lock = threading.Lock()
 
 
@@ -66,7 +77,8 @@ def _cache_dir() -> Path:
     flags = ""
     if platform.system() == "Linux":
         try:
-            line = next(x for x in open("/proc/cpuinfo") if x.startswith("flags"))
+            with open("/proc/cpuinfo") as f:
+                line = next(x for x in f if x.startswith("flags"))
             flags = " ".join(sorted(line.split(":", 1)[1].split()))
         except (OSError, StopIteration):
             pass
@@ -92,7 +104,8 @@ def fused_layer_enabled() -> bool:
 
 
 def load() -> bool:
-    """Build (first time) and load the kernels; True when ``torch.ops.minisgl_cpu`` is usable."""
+    """Build (first time) and load the kernels; True when ``torch.ops.minisgl_cpu`` is usable:
+    its linear kernels at least (AVX2 with FMA), everything with ``has_attention()``."""
     global _state
     with _lock:
         if _state is None:
@@ -100,8 +113,14 @@ def load() -> bool:
         return _state
 
 
+def has_attention() -> bool:
+    """Whether ``paged_attention`` and ``decoder_layer`` run here too (AVX512-BF16); loads the
+    kernels first."""
+    return load() and _attention
+
+
 def _load() -> bool:
-    global load_error
+    global load_error, attention_error, _attention
     if not enabled():
         load_error = "MINISGL_CPU_KERNELS=off"
         return False
@@ -111,19 +130,24 @@ def _load() -> bool:
             torch.ops.load_library(str(library))
         else:
             _build(library)  # loads it too
-        if not torch.ops.minisgl_cpu.available():
-            raise RuntimeError("this CPU or compiler has no AVX512-BF16")
+        if not torch.ops.minisgl_cpu.linear_isa():
+            raise RuntimeError("this CPU or compiler has neither AVX2 with FMA nor AVX-512")
     except Exception as e:  # no compiler, no ninja, a compile error: keep the PyTorch path
         text = f"{type(e).__name__}: {e}"
         errors = [x.strip() for x in text.splitlines() if "error" in x.lower()]
         load_error = (errors[1] if len(errors) > 1 else text.splitlines()[0])[:300]
-        log.warning("CPU attention kernels unavailable (%s); using the PyTorch path", load_error)
+        log.warning("CPU kernels unavailable (%s); using the PyTorch path", load_error)
         return False
     _register_fake()
     ops = torch.ops.minisgl_cpu
     register_bf16_linear(ops.bf16_pack.default, ops.bf16_linear.default)
     register_int8_linear(ops.int8_pack.default, ops.int8_linear.default)
     register_argmax_logsumexp(ops.argmax_logsumexp.default)
+    _attention = bool(ops.available())
+    if not _attention:
+        attention_error = (f"this CPU has no AVX512-BF16: the linear and sampling kernels "
+                           f"only ({ops.linear_isa()} build), PyTorch's attention")
+        log.info("CPU kernels: %s", attention_error)
     return True
 
 
@@ -163,9 +187,10 @@ def _register_fake() -> None:
 
 
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether ``paged_attention`` takes this shape (and the kernels are built and loadable)."""
+    """Whether ``paged_attention`` takes this shape (and runs on this CPU)."""
     return (dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
-            and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 8 and load())
+            and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 8
+            and has_attention())
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,

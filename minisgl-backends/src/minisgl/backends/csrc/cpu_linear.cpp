@@ -1,5 +1,6 @@
-// Linear layers on CPUs with AVX512-BF16 and AVX512-VNNI, built with cpu_attention.cpp into one
-// library by minisgl/backends/cpu_kernels.py and registered with minisgl.core.layers.quant:
+// Linear layers on CPUs with AVX512-BF16 and AVX512-VNNI, or with AVX2 and FMA (two builds of the
+// same kernels, below), built with cpu_attention.cpp into one library by
+// minisgl/backends/cpu_kernels.py and registered with minisgl.core.layers.quant:
 //
 // * bf16_linear: y = x @ w.T for any number of rows, w bf16 in this file's blocked layout
 //   (bf16_pack). Every bf16 linear layer on such a CPU uses it.
@@ -50,24 +51,33 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <utility>
 
 #include "kernels.h"
 
+// Two builds of the same kernels: AVX-512 (AVX512-BF16 and AVX512-VNNI: Intel since Cooper
+// Lake, AMD since Zen 4) and AVX2 with FMA (x86-64-v3: Intel since Haswell, AMD since Zen; the
+// build for every such CPU without AVX512-BF16, most laptops among them); -march=native picks.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
     defined(__AVX512VNNI__)
 #define MINISGL_LINEAR_FAST 1
+#define MINISGL_LINEAR_AVX2 0
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MINISGL_LINEAR_FAST 0
+#define MINISGL_LINEAR_AVX2 1
 #include <immintrin.h>
 #else
 #define MINISGL_LINEAR_FAST 0
+#define MINISGL_LINEAR_AVX2 0
 #endif
+#define MINISGL_LINEAR_ANY (MINISGL_LINEAR_FAST || MINISGL_LINEAR_AVX2)
 
 namespace {
 
 constexpr int kLanes = 16;            // output features per block (one vector of 32-bit lanes)
-constexpr int kMR = 6;                // rows of x per microkernel call
-constexpr int kNR = 4;                // blocks per microkernel call (a panel)
-constexpr int kGemvRows = 4;          // up to this many rows: gemv (one stream per thread)
 constexpr int kInt8MaxQ = 8191;       // |x| after int8_linear's row scaling (K <= 2,064)
 
 // [N, K] (K even) -> [ceil(N / 16), K / 2, 16, 2]; P is a pair of elements (int32 for bf16,
@@ -104,11 +114,31 @@ at::Tensor int8_pack(const at::Tensor& w) {
 
 #if MINISGL_LINEAR_FAST
 
+// Row m's outputs n .. n + 15 (fewer at the end of N) from an accumulator. sx/sw: int8's scales
+// (unused by bf16).
+template <class F>
+inline void store512(typename F::Acc acc, const float* sx, const float* sw, int64_t n, int64_t N,
+                  c10::BFloat16* y) {
+  const __mmask16 mask = n + kLanes <= N ? __mmask16(0xFFFF)
+                                         : static_cast<__mmask16>((1u << (N - n)) - 1);
+  __m256i h = (__m256i)_mm512_cvtneps_pbh(F::finish(acc, sx, sw == nullptr ? nullptr : sw + n, mask));
+  if (mask == 0xFFFF)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + n), h);
+  else
+    _mm256_mask_storeu_epi16(y + n, mask, h);
+}
+
 // The two weight formats: how a line of the packed weight is loaded and multiplied with a
 // broadcast pair of x, and how an accumulator becomes float32 outputs.
+// Each format also says how the kernels tile (registers): kMR rows of x per microkernel call,
+// kNR blocks per call (a panel), kU accumulator chains per row in the GEMV, which serves up to
+// kGemvRows rows (one stream per thread).
 struct Bf16Format {
-  static constexpr int kLineBytes = 64;
+  static constexpr int kLineBytes = 64, kMR = 6, kNR = 4, kU = 4, kGemvRows = 4;
   using Acc = __m512;
+  using Line = __m512i;
+  using X = __m512i;  // a pair of x broadcast to all lanes
+  static X bcast(int32_t pair) { return _mm512_set1_epi32(pair); }
   static Acc zero() { return _mm512_setzero_ps(); }
   static __m512i load(const char* p) { return _mm512_loadu_si512(p); }
   // two lines from p (64-byte aligned) by non-temporal loads (the GEMV's stream, see gemv)
@@ -121,13 +151,20 @@ struct Bf16Format {
   }
   static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
   static __m512 finish(Acc acc, const float*, const float*, __mmask16) { return acc; }
+  static void store(Acc acc, const float* sx, const float* sw, int64_t n, int64_t N,
+                    c10::BFloat16* y) {
+    store512<Bf16Format>(acc, sx, sw, n, N, y);
+  }
 };
 
 struct Int8Format {
-  static constexpr int kLineBytes = 32;
+  static constexpr int kLineBytes = 32, kMR = 6, kNR = 4, kU = 4, kGemvRows = 4;
   // int32 lanes, held as __m512: with __m512i accumulators GCC 12 spilled most of the
   // microkernel's 24 to the stack on every step (the casts cost no instruction)
   using Acc = __m512;
+  using Line = __m512i;
+  using X = __m512i;
+  static X bcast(int32_t pair) { return _mm512_set1_epi32(pair); }
   static Acc zero() { return _mm512_setzero_ps(); }
   static __m512i load(const char* p) {  // 32 int8 -> 32 int16: 16 lanes of (w[j][2p], w[j][2p+1])
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -148,21 +185,126 @@ struct Int8Format {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_castps_si512(acc)),
                          _mm512_mul_ps(_mm512_set1_ps(*sx), _mm512_maskz_loadu_ps(mask, sw)));
   }
+  static void store(Acc acc, const float* sx, const float* sw, int64_t n, int64_t N,
+                    c10::BFloat16* y) {
+    store512<Int8Format>(acc, sx, sw, n, N, y);
+  }
 };
 
-// Row m's outputs n .. n + 15 (fewer at the end of N) from an accumulator. sx/sw: int8's scales
-// (unused by bf16).
-template <class F>
-inline void store(typename F::Acc acc, const float* sx, const float* sw, int64_t n, int64_t N,
-                  c10::BFloat16* y) {
-  const __mmask16 mask = n + kLanes <= N ? __mmask16(0xFFFF)
-                                         : static_cast<__mmask16>((1u << (N - n)) - 1);
-  __m256i h = (__m256i)_mm512_cvtneps_pbh(F::finish(acc, sx, sw == nullptr ? nullptr : sw + n, mask));
-  if (mask == 0xFFFF)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + n), h);
-  else
-    _mm256_mask_storeu_epi16(y + n, mask, h);
+#elif MINISGL_LINEAR_AVX2
+
+// The same formats with 256-bit vectors: a block's 16 lanes are two halves (lanes 0-7, 8-15).
+// bf16: AVX2 has no bf16 dot product, so a line's 16 pairs become float32 (a bf16 is the top
+// half of a float32: the even element of a pair shifted up, the odd one masked) and two FMAs
+// per half add the odd, then the even product, in vdpbf16ps's order (bf16 products are exact
+// in float32, so each FMA rounds once, as vdpbf16ps does: the sums of the AVX-512 build but
+// for its flushing of subnormals). int8: pairs widened to int16 and vpmaddwd, exact integer
+// sums as vpdpwssd's. Fewer registers (16) than AVX-512 (32): smaller tiles.
+using Half = __m256;
+
+// Row m's outputs n .. n + 15 (fewer at the end of N) from two float32 halves, rounded to bf16
+// (nearest even, as c10 rounds; x + 0x7FFF + (x >> 16 & 1), then the top half; NaN stays NaN).
+inline __m128i to_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                        _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+  // 8 x 32-bit -> 8 x 16-bit (values < 2^16: packus keeps them), lanes back in order
+  const __m256i packed = _mm256_packus_epi32(r, r);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
+
+inline void store_halves(__m256 lo, __m256 hi, int64_t n, int64_t N, c10::BFloat16* y) {
+  const __m128i a = to_bf16(lo), b = to_bf16(hi);
+  if (n + kLanes <= N) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + n), a);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + n + 8), b);
+    return;
+  }
+  alignas(32) uint16_t t[kLanes];
+  _mm_store_si128(reinterpret_cast<__m128i*>(t), a);
+  _mm_store_si128(reinterpret_cast<__m128i*>(t + 8), b);
+  std::memcpy(y + n, t, (N - n) * sizeof(uint16_t));
+}
+
+struct Bf16Format {
+  static constexpr int kLineBytes = 64, kMR = 4, kNR = 1, kU = 2, kGemvRows = 2;
+  struct Acc { Half lo, hi; };
+  struct Line { Half elo, olo, ehi, ohi; };  // even and odd elements of lanes 0-7, 8-15
+  struct X { Half e, o; };
+  static Half even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+  static Half odd(__m256i v) {
+    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  static X bcast(int32_t pair) {
+    const __m256i b = _mm256_set1_epi32(pair);
+    return {even(b), odd(b)};
+  }
+  static Acc zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static Line line(__m256i lo, __m256i hi) { return {even(lo), odd(lo), even(hi), odd(hi)}; }
+  static Line load(const char* p) {
+    return line(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+  }
+  static void load2_nt(const char* p, Line& a, Line& b) {
+    auto nt = [&](int off) { return _mm256_stream_load_si256(reinterpret_cast<const __m256i*>(p + off)); };
+    a = line(nt(0), nt(32));
+    b = line(nt(64), nt(96));
+  }
+  static Acc dot(Acc acc, const X& x, const Line& w) {
+    acc.lo = _mm256_fmadd_ps(w.elo, x.e, _mm256_fmadd_ps(w.olo, x.o, acc.lo));
+    acc.hi = _mm256_fmadd_ps(w.ehi, x.e, _mm256_fmadd_ps(w.ohi, x.o, acc.hi));
+    return acc;
+  }
+  static Acc add(Acc a, Acc b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+  static void store(Acc acc, const float*, const float*, int64_t n, int64_t N, c10::BFloat16* y) {
+    store_halves(acc.lo, acc.hi, n, N, y);
+  }
+};
+
+struct Int8Format {
+  static constexpr int kLineBytes = 32, kMR = 6, kNR = 1, kU = 2, kGemvRows = 2;
+  struct Acc { __m256i lo, hi; };  // int32 sums
+  struct Line { __m256i lo, hi; };  // int16 pairs of lanes 0-7, 8-15
+  using X = __m256i;
+  static X bcast(int32_t pair) { return _mm256_set1_epi32(pair); }
+  static Acc zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+  static Line line(__m128i lo, __m128i hi) {
+    return {_mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi)};
+  }
+  static Line load(const char* p) {
+    return line(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)),
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  }
+  static void load2_nt(const char* p, Line& a, Line& b) {
+    const __m256i u = _mm256_stream_load_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i v = _mm256_stream_load_si256(reinterpret_cast<const __m256i*>(p + 32));
+    a = line(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+    b = line(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  }
+  static Acc dot(Acc acc, X x, const Line& w) {
+    return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(w.lo, x)),
+            _mm256_add_epi32(acc.hi, _mm256_madd_epi16(w.hi, x))};
+  }
+  static Acc add(Acc a, Acc b) {
+    return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)};
+  }
+  static void store(Acc acc, const float* sx, const float* sw, int64_t n, int64_t N,
+                    c10::BFloat16* y) {
+    alignas(32) float s[kLanes] = {};
+    std::memcpy(s, sw + n, std::min<int64_t>(kLanes, N - n) * sizeof(float));
+    const __m256 x = _mm256_set1_ps(*sx);
+    store_halves(_mm256_mul_ps(_mm256_cvtepi32_ps(acc.lo), _mm256_mul_ps(x, _mm256_load_ps(s))),
+                 _mm256_mul_ps(_mm256_cvtepi32_ps(acc.hi), _mm256_mul_ps(x, _mm256_load_ps(s + 8))),
+                 n, N, y);
+  }
+};
+
+#endif  // the formats
+
+#if MINISGL_LINEAR_ANY
 
 // What one call computes: x as pairs (bf16 pairs, or int16 pairs for int8) [M, K2], the packed
 // weight, y [M, N] bf16, and int8's scales (sx [M], sw [N]; null for bf16).
@@ -194,20 +336,29 @@ void micro(const Args& a, int64_t m, int64_t b0, const char* pf, int64_t pf_line
   const int32_t* x = a.row_x(m);
   const char* pf_end = pf + pf_lines * 64;
   for (int64_t p = 0; p < K2; ++p, wp += F::kLineBytes) {
-    __m512i wv[NR];
+    typename F::Line wv[NR];
     for (int r = 0; r < NR; ++r) wv[r] = F::load(wp + r * bb);
     for (int64_t i = 0; i < pf_per && pf < pf_end; ++i, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
     for (int i = 0; i < MR; ++i) {
-      __m512i xv = _mm512_set1_epi32(x[i * K2 + p]);
+      const typename F::X xv = F::bcast(x[i * K2 + p]);
       for (int r = 0; r < NR; ++r) acc[i][r] = F::dot(acc[i][r], xv, wv[r]);
     }
   }
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < NR; ++r)
-      store<F>(acc[i][r], a.row_sx(m + i), a.sw, (b0 + r) * kLanes, a.N, a.y + (m + i) * a.N);
+      F::store(acc[i][r], a.row_sx(m + i), a.sw, (b0 + r) * kLanes, a.N, a.y + (m + i) * a.N);
 }
 
-// Few rows (M <= kGemvRows, decode): blocks b0 .. b1 one after the other, so that a thread reads
+// The sum of U accumulator chains, in pairs ((a0 + a1) + (a2 + a3) for 4).
+template <class F, int U>
+typename F::Acc sum_chains(const typename F::Acc* acc) {
+  if constexpr (U == 1)
+    return acc[0];
+  else
+    return F::add(sum_chains<F, U / 2>(acc), sum_chains<F, U / 2>(acc + U / 2));
+}
+
+// Few rows (M <= F::kGemvRows, decode): blocks b0 .. b1 one after the other, so that a thread reads
 // its share of the weight as one sequential stream, each block's K in steps of 4 pairs with 4
 // accumulators per row (the latency of the multiply-add), summed at the end. The panel order
 // reads 4 streams 18 KB apart (K = 576); measured in bf16, medians of 15 alternating passes over
@@ -226,7 +377,7 @@ void micro(const Args& a, int64_t m, int64_t b0, const char* pf, int64_t pf_line
 // (prefetchnta ahead of plain loads kept the L3 too, without the speed-up.)
 template <class F, int MR, bool NT>
 void gemv_stream(const Args& a, int64_t m, int64_t b0, int64_t b1) {
-  constexpr int U = 4;
+  constexpr int U = F::kU;
   const int32_t* x = a.row_x(m);
   const int64_t K2 = a.K2;
   for (int64_t b = b0; b < b1; ++b) {
@@ -236,7 +387,7 @@ void gemv_stream(const Args& a, int64_t m, int64_t b0, int64_t b1) {
       for (int u = 0; u < U; ++u) acc[i][u] = F::zero();
     int64_t p = 0;
     for (; p + U <= K2; p += U) {
-      __m512i wv[U];
+      typename F::Line wv[U];
       if (NT) {
         for (int u = 0; u < U; u += 2) F::load2_nt(wb + (p + u) * F::kLineBytes, wv[u], wv[u + 1]);
       } else {
@@ -244,16 +395,16 @@ void gemv_stream(const Args& a, int64_t m, int64_t b0, int64_t b1) {
       }
       for (int i = 0; i < MR; ++i)
         for (int u = 0; u < U; ++u)
-          acc[i][u] = F::dot(acc[i][u], _mm512_set1_epi32(x[i * K2 + p + u]), wv[u]);
+          acc[i][u] = F::dot(acc[i][u], F::bcast(x[i * K2 + p + u]), wv[u]);
     }
     for (; p < K2; ++p) {
-      __m512i wv = F::load(wb + p * F::kLineBytes);
+      const typename F::Line wv = F::load(wb + p * F::kLineBytes);
       for (int i = 0; i < MR; ++i)
-        acc[i][0] = F::dot(acc[i][0], _mm512_set1_epi32(x[i * K2 + p]), wv);
+        acc[i][0] = F::dot(acc[i][0], F::bcast(x[i * K2 + p]), wv);
     }
     for (int i = 0; i < MR; ++i)
-      store<F>(F::add(F::add(acc[i][0], acc[i][1]), F::add(acc[i][2], acc[i][3])),
-               a.row_sx(m + i), a.sw, b * kLanes, a.N, a.y + (m + i) * a.N);
+      F::store(sum_chains<F, U>(acc[i]), a.row_sx(m + i), a.sw, b * kLanes, a.N,
+               a.y + (m + i) * a.N);
   }
 }
 
@@ -277,14 +428,14 @@ constexpr std::array<GemvFn<F>, sizeof...(I)> gemv_table(std::integer_sequence<i
   return {&gemv<F, I + 1>...};
 }
 
-// micro_table<F>()[(mr - 1) * kNR + nr - 1] = micro<F, mr, nr>: the tails of M and of a thread's
+// micro_table<F>()[(mr - 1) * F::kNR + nr - 1] = micro<F, mr, nr>: the tails of M and of a thread's
 // blocks
 template <class F, int... I>
 constexpr std::array<MicroFn<F>, sizeof...(I)> micro_table(std::integer_sequence<int, I...>) {
-  return {&micro<F, I / kNR + 1, I % kNR + 1>...};
+  return {&micro<F, I / F::kNR + 1, I % F::kNR + 1>...};
 }
 
-// rows m0 .. m1 of x against blocks b0 .. b1: panels of kNR blocks outer (kept in L2), kMR rows
+// rows m0 .. m1 of x against blocks b0 .. b1: panels of F::kNR blocks outer (kept in L2), F::kMR rows
 // of x inner. The chunks also prefetch the next panel (contiguous: blocks follow each other), a
 // share each, so that its first chunk does not wait for DRAM: measured in bf16 on a decode
 // step's 121 SmolLM2 weights, 8 rows 14.6 -> 10.4 ms, 16 rows 19.3 -> 13.8, 32 rows 30.2 ->
@@ -293,9 +444,10 @@ constexpr std::array<MicroFn<F>, sizeof...(I)> micro_table(std::integer_sequence
 // Prefetching 2 or 3 panels ahead instead: 3-10% slower from 8 to 32 rows.
 template <class F>
 void rows(const Args& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
-  static constexpr auto kGemv = gemv_table<F>(std::make_integer_sequence<int, kGemvRows>{});
+  constexpr int kMR = F::kMR, kNR = F::kNR;
+  static constexpr auto kGemv = gemv_table<F>(std::make_integer_sequence<int, F::kGemvRows>{});
   static constexpr auto kMicro = micro_table<F>(std::make_integer_sequence<int, kMR * kNR>{});
-  if (m1 - m0 <= kGemvRows) {
+  if (m1 - m0 <= F::kGemvRows) {
     kGemv[m1 - m0 - 1](a, m0, b0, b1);
     return;
   }
@@ -325,6 +477,7 @@ template <class F>
 void run(const Args& a, int64_t M, int64_t NB) {
   if (M == 0) return;
   const int64_t threads = at::get_num_threads();
+  constexpr int kMR = F::kMR;
   if (NB >= 2 * threads || M <= kMR) {
     // each thread streams its own share of the weight once (whole blocks; x is shared)
     at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) { rows<F>(a, 0, M, b0, b1); });
@@ -337,6 +490,7 @@ void run(const Args& a, int64_t M, int64_t NB) {
 
 // Row m of x (bf16) -> int16 with |q| <= qmax and q * sx[m] ~= x, rounded to nearest even
 // (explicitly: whatever rounding mode the thread has set).
+#if MINISGL_LINEAR_FAST
 void quantize_row(const c10::BFloat16* x, int64_t K, int32_t qmax, int16_t* q, float* sx) {
   auto mask = [&](int64_t k) {
     return K - k >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
@@ -359,8 +513,47 @@ void quantize_row(const c10::BFloat16* x, int64_t K, int32_t qmax, int16_t* q, f
     _mm256_mask_storeu_epi16(q + k, mask(k), _mm512_cvtsepi32_epi16(v));
   }
 }
+#else  // AVX2: the same steps 8 lanes at a time
+void quantize_row(const c10::BFloat16* x, int64_t K, int32_t qmax, int16_t* q, float* sx) {
+  auto load8 = [&](int64_t k) {  // 8 bf16 (fewer at the end, zeros past K) as float32
+    __m128i h;
+    if (K - k >= 8) {
+      h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k));
+    } else {
+      alignas(16) uint16_t t[8] = {};
+      std::memcpy(t, x + k, (K - k) * sizeof(uint16_t));
+      h = _mm_load_si128(reinterpret_cast<const __m128i*>(t));
+    }
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  };
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 vmax = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, load8(k)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  float amax = lanes[0];
+  for (float v : lanes) amax = std::max(amax, v);
+  const float inv = amax > 0 && std::isfinite(amax) ? static_cast<float>(qmax) / amax : 0.0f;
+  *sx = inv > 0 ? amax / static_cast<float>(qmax) : 0.0f;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256i v = _mm256_cvtps_epi32(_mm256_round_ps(
+        _mm256_mul_ps(load8(k), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    // int32 -> int16 with saturation; packs works per 128-bit lane, so take lanes 0 and 2
+    const __m128i h = _mm256_castsi256_si128(
+        _mm256_permute4x64_epi64(_mm256_packs_epi32(v, v), 0x08));
+    if (K - k >= 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), h);
+    } else {
+      alignas(16) int16_t t[8];
+      _mm_store_si128(reinterpret_cast<__m128i*>(t), h);
+      std::memcpy(q + k, t, (K - k) * sizeof(int16_t));
+    }
+  }
+}
+#endif
 
-#endif  // MINISGL_LINEAR_FAST
+#endif  // MINISGL_LINEAR_ANY
 
 void check_packed(const at::Tensor& x, const at::Tensor& wp, int64_t N, const char* name) {
   TORCH_CHECK(x.dim() == 2 && wp.dim() == 4 && wp.size(2) == kLanes && wp.size(3) == 2,
@@ -375,7 +568,7 @@ void check_packed(const at::Tensor& x, const at::Tensor& wp, int64_t N, const ch
 // y [M, N] = x [M, K] @ w.T, w packed by bf16_pack; x contiguous.
 void bf16_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& wp, int64_t N,
                c10::BFloat16* y) {
-#if MINISGL_LINEAR_FAST
+#if MINISGL_LINEAR_ANY
   const Args a{reinterpret_cast<const int32_t*>(x), K / 2,
                static_cast<const char*>(wp.const_data_ptr()), y, N, nullptr, nullptr};
   run<Bf16Format>(a, M, wp.size(0));
@@ -383,7 +576,7 @@ void bf16_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& w
 }
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
-  TORCH_CHECK(MINISGL_LINEAR_FAST, "bf16_linear needs AVX512-BF16 and AVX512-VNNI");
+  TORCH_CHECK(MINISGL_LINEAR_ANY, "bf16_linear needs AVX2 and FMA (or AVX-512)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16,
               "x and w must be bf16");
   check_packed(x, wp, N, "bf16_pack");
@@ -398,7 +591,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
 // y [M, N] = x [M, K] @ (w * scales[:, None]).T, w packed by int8_pack; x contiguous.
 void int8_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& wp,
                const float* scales, int64_t N, c10::BFloat16* y) {
-#if MINISGL_LINEAR_FAST
+#if MINISGL_LINEAR_ANY
   // K products of 127 * qmax must fit an int32
   const int32_t qmax = static_cast<int32_t>(
       std::min<int64_t>(kInt8MaxQ, INT32_MAX / (127 * std::max<int64_t>(K, 1))));
@@ -418,7 +611,7 @@ void int8_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& w
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scales,
                        int64_t N) {
-  TORCH_CHECK(MINISGL_LINEAR_FAST, "int8_linear needs AVX512-BF16 and AVX512-VNNI");
+  TORCH_CHECK(MINISGL_LINEAR_ANY, "int8_linear needs AVX2 and FMA (or AVX-512)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kChar &&
                   scales.scalar_type() == at::kFloat,
               "x must be bf16, w int8 (int8_pack), scales float32");
@@ -438,7 +631,7 @@ namespace minisgl {
 
 void linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& packed,
                  const at::Tensor* scales, int64_t N, c10::BFloat16* y) {
-  TORCH_CHECK(MINISGL_LINEAR_FAST, "the linear kernels need AVX512-BF16 and AVX512-VNNI");
+  TORCH_CHECK(MINISGL_LINEAR_ANY, "the linear kernels need AVX2 and FMA (or AVX-512)");
   const bool int8 = scales != nullptr;
   TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == K && packed.size(0) * kLanes >= N &&
                   packed.is_contiguous() &&
@@ -455,7 +648,11 @@ void linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor&
 
 }  // namespace minisgl
 
+// Which build of the linear kernels runs here: "avx512", "avx2", or "" (neither: the ops refuse)
+static std::string linear_isa() { return MINISGL_LINEAR_FAST ? "avx512" : MINISGL_LINEAR_AVX2 ? "avx2" : ""; }
+
 TORCH_LIBRARY_FRAGMENT(minisgl_cpu, m) {
+  m.def("linear_isa() -> str", &linear_isa);
   m.def("bf16_pack(Tensor w) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor w, int n) -> Tensor");
   m.def("int8_pack(Tensor w) -> Tensor");

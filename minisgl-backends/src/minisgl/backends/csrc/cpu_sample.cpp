@@ -16,18 +16,37 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <tuple>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define MINISGL_SAMPLE_FAST 1
 #include <immintrin.h>
 
 #include "vec_exp.h"
+#else
+#define MINISGL_SAMPLE_FAST 0
 #endif
 
 namespace {
+
+#if MINISGL_SAMPLE_FAST
+
+// A row with a NaN, +inf or only -inf (rare): the plain loop.
+void special_row(const float* x, int64_t V, float mx, int64_t* index, float* lse) {
+  int64_t at = 0;
+  for (int64_t k = 0; k < V; ++k) {
+    if (std::isnan(x[k])) { at = k; break; }
+    if (x[k] > x[at]) at = k;
+  }
+  *index = at;
+  *lse = std::isnan(x[at]) ? x[at] : mx;
+}
+
+#endif
 
 #if defined(__AVX512F__)
 
@@ -45,16 +64,7 @@ void one_row(const float* x, int64_t V, int64_t* index, float* lse) {
     vmax = _mm512_mask_max_ps(vmax, m, vmax, v);  // lanes past V keep -inf, not 0
   }
   const float mx = _mm512_reduce_max_ps(vmax);
-  if (nan || !std::isfinite(mx)) {  // NaN, +inf or a row of -inf: rare, plain loop
-    int64_t at = 0;
-    for (int64_t k = 0; k < V; ++k) {
-      if (std::isnan(x[k])) { at = k; break; }
-      if (x[k] > x[at]) at = k;
-    }
-    *index = at;
-    *lse = std::isnan(x[at]) ? x[at] : mx;
-    return;
-  }
+  if (nan || !std::isfinite(mx)) return special_row(x, V, mx, index, lse);
   const __m512 vm = _mm512_set1_ps(mx);
   __m512 sum = _mm512_setzero_ps();
   int64_t first = -1;
@@ -71,14 +81,60 @@ void one_row(const float* x, int64_t V, int64_t* index, float* lse) {
   *lse = mx + std::log(_mm512_reduce_add_ps(sum));
 }
 
-#endif  // __AVX512F__
+#elif MINISGL_SAMPLE_FAST  // AVX2: 8 lanes, the last V % 8 entries one by one
+
+inline float hmax(__m256 v) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  return std::max({t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]});
+}
+
+void one_row(const float* x, int64_t V, int64_t* index, float* lse) {
+  const int64_t V8 = V / 8 * 8;
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 nan = _mm256_setzero_ps();
+  for (int64_t k = 0; k < V8; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    vmax = _mm256_max_ps(vmax, v);
+  }
+  float mx = hmax(vmax);
+  bool any_nan = _mm256_movemask_ps(nan) != 0;
+  for (int64_t k = V8; k < V; ++k) {
+    any_nan |= std::isnan(x[k]);
+    mx = std::max(mx, x[k]);
+  }
+  if (any_nan || !std::isfinite(mx)) return special_row(x, V, mx, index, lse);
+  const __m256 vm = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t first = -1;
+  for (int64_t k = 0; k < V8; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    if (first < 0) {
+      const int eq = _mm256_movemask_ps(_mm256_cmp_ps(v, vm, _CMP_EQ_OQ));
+      if (eq) first = k + __builtin_ctz(eq);
+    }
+    sum = _mm256_add_ps(sum, minisgl_vec::exp8(_mm256_sub_ps(v, vm)));
+  }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, sum);
+  float total = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+  for (int64_t k = V8; k < V; ++k) {
+    if (first < 0 && x[k] == mx) first = k;
+    total += std::exp(x[k] - mx);
+  }
+  *index = first;
+  *lse = mx + std::log(total);
+}
+
+#endif
 
 std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0,
               "x must be float32 [M, V] with V > 0");
   at::Tensor index = at::empty({x.size(0)}, x.options().dtype(at::kLong));
   at::Tensor lse = at::empty({x.size(0)}, x.options());
-#if defined(__AVX512F__)
+#if MINISGL_SAMPLE_FAST
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t M = xc.size(0), V = xc.size(1), stride = xc.stride(0);
   const float* xp = xc.const_data_ptr<float>();
@@ -89,7 +145,7 @@ std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& x) {
     for (int64_t m = m0; m < m1; ++m) one_row(xp + m * stride, V, ip + m, lp + m);
   });
 #else
-  TORCH_CHECK(false, "argmax_logsumexp needs AVX512");
+  TORCH_CHECK(false, "argmax_logsumexp needs AVX-512 or AVX2 with FMA");
 #endif
   return {index, lse};
 }

@@ -1,10 +1,13 @@
-// exp16: exp of 16 float32 lanes at once, for the softmax-like sums of cpu_attention.cpp and
-// cpu_sample.cpp. Include only where AVX512F is available.
+// exp16 / exp8: exp of 16 (AVX-512) or 8 (AVX2 with FMA) float32 lanes at once, for the
+// softmax-like sums of cpu_attention.cpp and cpu_sample.cpp. Include only where one of them is
+// available.
 #pragma once
 
 #include <immintrin.h>
 
 namespace minisgl_vec {
+
+#if defined(__AVX512F__)
 
 // exp(x) for x <= 0: 2^(x log2 e) = 2^n * 2^f, |f| <= 0.5, degree-6 polynomial (rel. err ~1e-7).
 inline __m512 exp16(__m512 x) {
@@ -21,5 +24,27 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The same polynomial on 8 lanes; 2^n by adding n to the exponent field (n >= -126 after the
+// clamp, so 2^n is a normal float).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                           _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+#endif
 
 }  // namespace minisgl_vec
