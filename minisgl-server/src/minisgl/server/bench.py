@@ -126,10 +126,19 @@ def _times(fn: Callable[[], object], reps: int) -> list[float]:
 
 
 def _best_time(fn: Callable[[], object], reps: int) -> float:
-    t0 = time.perf_counter()
     fn()
-    # a slow call (bf16 matmul where the CPU has no bf16 instructions: ~50x slower) fewer times
-    return min(_times(fn, reps if time.perf_counter() - t0 < 0.5 else 2))
+    return min(_times(fn, reps))
+
+
+def _matmul_flops(dtype: torch.dtype, n: int = 2048) -> float:
+    """Best of ten n x n matmuls, in FLOP/s; where a 512 x 512 one is slow (bf16 on a CPU
+    without bf16 instructions: ~1 GFLOP/s per thread, a minute per 2048 product) that one."""
+    a, b = torch.randn(512, 512, dtype=dtype), torch.randn(512, 512, dtype=dtype)
+    t = _best_time(lambda: a @ b, 1)
+    if t * (n / 512) ** 3 > 2.0:
+        return 2 * 512 ** 3 / t
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return 2 * n ** 3 / _best_time(lambda: a @ b, 10)
 
 
 def measure_ceilings(dtype: torch.dtype) -> dict[str, float]:
@@ -138,12 +147,9 @@ def measure_ceilings(dtype: torch.dtype) -> dict[str, float]:
     bf16 it is the larger of the two: a CPU without bf16 instructions (AVX2) multiplies bf16
     in float32 (the engine's kernels do), while PyTorch's own bf16 matmul there falls back to a
     path several times slower than the float32 one, not a ceiling of the machine."""
-    n = 2048
     out: dict[str, float] = {}
     for dt in (torch.bfloat16, torch.float32):
-        a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
-        out[f"matmul_flops_{str(dt).removeprefix('torch.')}"] = \
-            2 * n ** 3 / _best_time(lambda: a @ b, 10)  # noqa: B023 - called right here
+        out[f"matmul_flops_{str(dt).removeprefix('torch.')}"] = _matmul_flops(dt)
     out["matmul_flops"] = out[f"matmul_flops_{str(dtype).removeprefix('torch.')}"]
     if dtype == torch.bfloat16:
         out["matmul_flops"] = max(out["matmul_flops"], out["matmul_flops_float32"])
