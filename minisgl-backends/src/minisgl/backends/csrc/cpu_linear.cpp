@@ -117,8 +117,8 @@ at::Tensor int8_pack(const at::Tensor& w) {
 // Row m's outputs n .. n + 15 (fewer at the end of N) from an accumulator. sx/sw: int8's scales
 // (unused by bf16).
 template <class F>
-inline void store512(typename F::Acc acc, const float* sx, const float* sw, int64_t n, int64_t N,
-                  c10::BFloat16* y) {
+inline void store512(typename F::Acc acc, const float* sx, const float* sw, int64_t n,
+                     int64_t N, c10::BFloat16* y) {
   const __mmask16 mask = n + kLanes <= N ? __mmask16(0xFFFF)
                                          : static_cast<__mmask16>((1u << (N - n)) - 1);
   __m256i h = (__m256i)_mm512_cvtneps_pbh(F::finish(acc, sx, sw == nullptr ? nullptr : sw + n, mask));
@@ -206,11 +206,12 @@ using Half = __m256;
 // (nearest even, as c10 rounds; x + 0x7FFF + (x >> 16 & 1), then the top half; NaN stays NaN).
 inline __m128i to_bf16(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
+  const __m256i top = _mm256_srli_epi32(u, 16);
   const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
-                                        _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+                                        _mm256_and_si256(top, _mm256_set1_epi32(1)));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);  // quiet NaN
   // 8 x 32-bit -> 8 x 16-bit (values < 2^16: packus keeps them), lanes back in order
   const __m256i packed = _mm256_packus_epi32(r, r);
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
@@ -236,7 +237,8 @@ struct Bf16Format {
   struct X { Half e, o; };
   static Half even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
   static Half odd(__m256i v) {
-    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    return _mm256_castsi256_ps(_mm256_and_si256(v, high));
   }
   static X bcast(int32_t pair) {
     const __m256i b = _mm256_set1_epi32(pair);
@@ -249,7 +251,9 @@ struct Bf16Format {
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
   }
   static void load2_nt(const char* p, Line& a, Line& b) {
-    auto nt = [&](int off) { return _mm256_stream_load_si256(reinterpret_cast<const __m256i*>(p + off)); };
+    auto nt = [&](int off) {
+      return _mm256_stream_load_si256(reinterpret_cast<const __m256i*>(p + off));
+    };
     a = line(nt(0), nt(32));
     b = line(nt(64), nt(96));
   }
@@ -435,13 +439,13 @@ constexpr std::array<MicroFn<F>, sizeof...(I)> micro_table(std::integer_sequence
   return {&micro<F, I / F::kNR + 1, I % F::kNR + 1>...};
 }
 
-// rows m0 .. m1 of x against blocks b0 .. b1: panels of F::kNR blocks outer (kept in L2), F::kMR rows
-// of x inner. The chunks also prefetch the next panel (contiguous: blocks follow each other), a
-// share each, so that its first chunk does not wait for DRAM: measured in bf16 on a decode
-// step's 121 SmolLM2 weights, 8 rows 14.6 -> 10.4 ms, 16 rows 19.3 -> 13.8, 32 rows 30.2 ->
-// 25.3, 64 and 128 rows -7-8%; and for a single chunk (5 or 6 rows), which did not prefetch
-// until 2026-12-02: 5 rows 8.47 -> 7.94 ms, 6 rows 8.56 -> 7.66 (9 alternating passes).
-// Prefetching 2 or 3 panels ahead instead: 3-10% slower from 8 to 32 rows.
+// rows m0 .. m1 of x against blocks b0 .. b1: panels of F::kNR blocks outer (kept in L2),
+// F::kMR rows of x inner. The chunks also prefetch the next panel (contiguous: blocks follow
+// each other), a share each, so that its first chunk does not wait for DRAM: measured in bf16
+// (AVX-512) on a decode step's 121 SmolLM2 weights, 8 rows 14.6 -> 10.4 ms, 16 rows 19.3 ->
+// 13.8, 32 rows 30.2 -> 25.3, 64 and 128 rows -7-8%; and for a single chunk (5 or 6 rows),
+// which did not prefetch until 2026-12-02: 5 rows 8.47 -> 7.94 ms, 6 rows 8.56 -> 7.66 (9
+// alternating passes). Prefetching 2 or 3 panels ahead instead: 3-10% slower from 8 to 32 rows.
 template <class F>
 void rows(const Args& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
   constexpr int kMR = F::kMR, kNR = F::kNR;
@@ -649,7 +653,9 @@ void linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor&
 }  // namespace minisgl
 
 // Which build of the linear kernels runs here: "avx512", "avx2", or "" (neither: the ops refuse)
-static std::string linear_isa() { return MINISGL_LINEAR_FAST ? "avx512" : MINISGL_LINEAR_AVX2 ? "avx2" : ""; }
+static std::string linear_isa() {
+  return MINISGL_LINEAR_FAST ? "avx512" : MINISGL_LINEAR_AVX2 ? "avx2" : "";
+}
 
 TORCH_LIBRARY_FRAGMENT(minisgl_cpu, m) {
   m.def("linear_isa() -> str", &linear_isa);
