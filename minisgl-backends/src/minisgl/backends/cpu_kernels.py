@@ -13,8 +13,9 @@
   place of ATen's int8 matmul (few rows) and per-call dequantization (many).
 
   Both linear kernels have two builds: AVX-512 (AVX512-BF16 and AVX512-VNNI) and AVX2 with FMA
-  (x86-64-v3: Intel since Haswell, AMD since Zen; the laptop CPUs without AVX-512), which computes
-  the same sums with 256-bit vectors (``linear_isa()`` says which one runs).
+  (x86-64-v3: Intel since Haswell, AMD since Zen; the build for such CPUs without AVX512-BF16,
+  most laptops among them), which computes the same sums with 256-bit vectors (``linear_isa()``
+  says which one runs).
 - ``decoder_layer`` (cpu_layer.cpp): a Llama-family decoder layer of a decode step in one call
   (RMSNorm, QKV, RoPE, the K/V store, ``paged_attention``, O, residual, RMSNorm, gate-up, SiLU,
   down), on weights packed by ``bf16_pack`` or ``int8_pack``; the CPU backend uses it through

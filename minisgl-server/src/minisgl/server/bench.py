@@ -146,7 +146,8 @@ def measure_ceilings(dtype: torch.dtype) -> dict[str, float]:
     float32 sum). ``matmul_flops`` is the one of ``dtype``, the run's: fractions use it. For
     bf16 it is the larger of the two: a CPU without bf16 instructions (AVX2) multiplies bf16
     in float32 (the engine's kernels do), while PyTorch's own bf16 matmul there falls back to a
-    path several times slower than the float32 one, not a ceiling of the machine."""
+    path ~40x slower than the float32 one (Zen 3: 1.3 vs 49 GFLOP/s per thread), not a ceiling
+    of the machine."""
     out: dict[str, float] = {}
     for dt in (torch.bfloat16, torch.float32):
         out[f"matmul_flops_{str(dt).removeprefix('torch.')}"] = _matmul_flops(dt)
