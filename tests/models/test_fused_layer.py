@@ -17,7 +17,7 @@ from minisgl.core import LLM
 from .conftest import SPEC_BY_NAME, VOCAB, save_tiny
 from .reference import greedy, make_prompts, record_logits
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.has_attention(),
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(),
                                 reason="no CPU attention kernel on this machine")
 
 
@@ -98,17 +98,29 @@ def test_fused_layer_variants(tmp_path: Path, name: str, overrides: dict[str, An
 
 def test_fused_layer_in_compiled_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode graphs trace the one call (a mutating op on the pool, a None residual in the
-    first layer) and give the eager engine's tokens and logits."""
+    first layer) and give the eager engine's logits, and its tokens but where eager's logits
+    of the two tokens are a rounding apart."""
     path = save_tiny(SPEC_BY_NAME["llama-gqa-untied-llama3"], tmp_path / "m", head_dim=32)
     prompts = make_prompts([9, 40, 21], VOCAB, seed=2)
     kw = {"num_pages": 64, "page_size": 4, "max_running_requests": 4}
     ids0, rec0, calls0 = _run(str(path), True, prompts, monkeypatch, **kw)
     ids1, rec1, calls1 = _run(str(path), True, prompts, monkeypatch, compile="wait", **kw)
     assert calls0 > 0 and calls1 > 0
-    assert ids1 == ids0
-    for (c0, l0), (c1, l1) in zip(rec0, rec1):
-        assert c0 == c1
-        # the graph's own ops (embedding, final norm, LM head) round apart from eager's by a
-        # few bf16 steps: measured at most 0.08 on logits up to 3.4
-        torch.testing.assert_close(l1, l0, atol=0.1, rtol=0.02)
+    # The graph's own ops (embedding, final norm, LM head) round apart from eager's by a few
+    # bf16 steps: measured at most 0.08 on logits up to 3.4. That can flip a near tie of this
+    # random model (on AMD Zen 3: 3.375 vs 3.375, 3.125 vs 3.094), after which the request's
+    # contexts part ways; every row conditioned on the same ids is compared.
+    eager = {tuple(c): logits for c, logits in rec0}
+    shared = 0
+    for c1, l1 in rec1:
+        if (l0 := eager.get(tuple(c1))) is not None:
+            shared += 1
+            torch.testing.assert_close(l1, l0, atol=0.1, rtol=0.02)
+    assert shared >= len(prompts)  # at least each request's prefill row
+    for prompt, a, b in zip(prompts, ids0, ids1):
+        assert len(a) == len(b)
+        j = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if j is not None:  # the graphs picked another token: a near tie in eager's logits
+            l0 = eager[tuple(prompt + a[:j])]
+            assert (l0[a[j]] - l0[b[j]]).abs().item() <= 0.1, (j, a[j], b[j])
 

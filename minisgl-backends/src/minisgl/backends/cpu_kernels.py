@@ -1,8 +1,7 @@
 """CPU kernels in C++ (csrc/), built on first use into one library, ``torch.ops.minisgl_cpu``.
 
 - ``paged_attention`` (cpu_attention.cpp): prefill, extend and decode over the paged KV pool,
-  read in place, with or without a sliding window, for bf16 on CPUs with AVX512-BF16
-  (vdpbf16ps; Intel since Cooper Lake, AMD since Zen 4).
+  read in place, with or without a sliding window, for bf16.
 - ``bf16_pack`` / ``bf16_linear`` (cpu_linear.cpp): bf16 weights in the kernel's own blocked
   layout and the matmul over it, for any number of rows; ``load()`` registers them with
   ``minisgl.core.layers.quant.register_bf16_linear``, so weights converted afterwards (the
@@ -11,32 +10,27 @@
   for any number of rows; ``load()`` registers them with
   ``minisgl.core.layers.quant.register_int8_linear``, so weights quantized afterwards use them in
   place of ATen's int8 matmul (few rows) and per-call dequantization (many).
-
-  Both linear kernels have two builds: AVX-512 (AVX512-BF16 and AVX512-VNNI) and AVX2 with FMA
-  (x86-64-v3: Intel since Haswell, AMD since Zen; the build for such CPUs without AVX512-BF16,
-  most laptops among them), which computes the same sums with 256-bit vectors (``linear_isa()``
-  says which one runs).
 - ``decoder_layer`` (cpu_layer.cpp): a Llama-family decoder layer of a decode step in one call
   (RMSNorm, QKV, RoPE, the K/V store, ``paged_attention``, O, residual, RMSNorm, gate-up, SiLU,
   down), on weights packed by ``bf16_pack`` or ``int8_pack``; the CPU backend uses it through
   ``minisgl.core.layers.register_fused_decoder_layer`` (torch_native.py says where);
   ``MINISGL_FUSED_LAYER=off`` turns that off.
 - ``argmax_logsumexp`` (cpu_sample.cpp): the greedy token and the log-sum-exp of every row of
-  float32 logits in one call (AVX-512 or AVX2 with FMA); ``load()`` registers it with
+  float32 logits in one call; ``load()`` registers it with
   ``minisgl.core.sampling.register_argmax_logsumexp`` for the default sampler.
 
-``paged_attention`` and ``decoder_layer`` need AVX512-BF16: on an AVX2 CPU ``load()`` succeeds
-with the linear and sampling kernels, ``has_attention()`` is False and the backends keep
-PyTorch's attention (and the decoder layers as modules).
+Every kernel has two builds: AVX-512 (AVX512-BF16, and AVX512-VNNI for the linears: Intel since
+Cooper Lake, AMD since Zen 4) and AVX2 with FMA (x86-64-v3: Intel since Haswell, AMD since Zen;
+the build for every such CPU without AVX512-BF16, most laptops among them), which computes the
+same sums with 256-bit vectors (the attention in float32). ``linear_isa()`` says which one runs.
 
 The sources are compiled with the machine's compiler (``-O3 -march=native -fopenmp``) through
 ``torch.utils.cpp_extension`` into ``~/.cache/minisgl/ext/<key>``, the key covering the sources
-(and csrc/vec_exp.h), torch's version and the CPU's instruction-set flags, so a later start loads
+(and the headers), torch's version and the CPU's instruction-set flags, so a later start loads
 the built library in well under a second. Building needs a C++ compiler with OpenMP and ninja
-(a dependency of this package); when either is missing or the build fails, ``load()`` returns
-False with the reason in ``load_error`` and the backends keep their pure-PyTorch path.
-``attention_error`` says why ``has_attention()`` is False where ``load()`` is True.
-``MINISGL_CPU_KERNELS=off`` turns the kernels off.
+(a dependency of this package); when either is missing, the build fails or the CPU has neither
+build's instructions, ``load()`` returns False with the reason in ``load_error`` and the
+backends keep their pure-PyTorch path. ``MINISGL_CPU_KERNELS=off`` turns the kernels off.
 """
 
 from __future__ import annotations
@@ -61,16 +55,14 @@ NAME = "minisgl_cpu_attention"
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_layer.cpp", "cpu_sample.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name  # part of the build's cache key
-           for name in ("vec_exp.h", "kernels.h")]
+           for name in ("vec.h", "kernels.h")]
 # -fopenmp: at::parallel_for is a header template whose threads are an ``omp parallel`` region
 # compiled into this library; without the flag it runs on one thread (links the libgomp.so.1
 # torch has loaded already: same soname, one thread pool)
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 load_error: str | None = None
-attention_error: str | None = None
 _state: bool | None = None
-_attention = False
 _lock = threading.Lock()
 
 
@@ -105,8 +97,7 @@ def fused_layer_enabled() -> bool:
 
 
 def load() -> bool:
-    """Build (first time) and load the kernels; True when ``torch.ops.minisgl_cpu`` is usable:
-    its linear kernels at least (AVX2 with FMA), everything with ``has_attention()``."""
+    """Build (first time) and load the kernels; True when ``torch.ops.minisgl_cpu`` is usable."""
     global _state
     with _lock:
         if _state is None:
@@ -114,14 +105,8 @@ def load() -> bool:
         return _state
 
 
-def has_attention() -> bool:
-    """Whether ``paged_attention`` and ``decoder_layer`` run here too (AVX512-BF16); loads the
-    kernels first."""
-    return load() and _attention
-
-
 def _load() -> bool:
-    global load_error, attention_error, _attention
+    global load_error
     if not enabled():
         load_error = "MINISGL_CPU_KERNELS=off"
         return False
@@ -131,8 +116,8 @@ def _load() -> bool:
             torch.ops.load_library(str(library))
         else:
             _build(library)  # loads it too
-        if not torch.ops.minisgl_cpu.linear_isa():
-            raise RuntimeError("this CPU or compiler has neither AVX2 with FMA nor AVX-512")
+        if not torch.ops.minisgl_cpu.available():
+            raise RuntimeError("this CPU or compiler has neither AVX2 with FMA nor AVX512-BF16")
     except Exception as e:  # no compiler, no ninja, a compile error: keep the PyTorch path
         text = f"{type(e).__name__}: {e}"
         errors = [x.strip() for x in text.splitlines() if "error" in x.lower()]
@@ -144,11 +129,6 @@ def _load() -> bool:
     register_bf16_linear(ops.bf16_pack.default, ops.bf16_linear.default)
     register_int8_linear(ops.int8_pack.default, ops.int8_linear.default)
     register_argmax_logsumexp(ops.argmax_logsumexp.default)
-    _attention = bool(ops.available())
-    if not _attention:
-        attention_error = (f"this CPU has no AVX512-BF16: the linear and sampling kernels "
-                           f"only ({ops.linear_isa()} build), PyTorch's attention")
-        log.info("CPU kernels: %s", attention_error)
     return True
 
 
@@ -190,8 +170,7 @@ def _register_fake() -> None:
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether ``paged_attention`` takes this shape (and runs on this CPU)."""
     return (dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
-            and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 8
-            and has_attention())
+            and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 8 and load())
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,

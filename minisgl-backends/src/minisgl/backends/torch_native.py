@@ -1,11 +1,13 @@
-"""Paged attention: a C++ kernel on CPUs with AVX512-BF16, plain PyTorch elsewhere.
+"""Paged attention: a C++ kernel on x86 CPUs (AVX2 with FMA, or AVX512-BF16), plain PyTorch
+elsewhere.
 
 On such a CPU with a bf16 pool (``cpu_kernels``), prefill, extend and decode all run one
 ``paged_attention`` call per layer that reads each request's keys and values from the pool in
 place through a [B, Lk] table of its slots, built once per step (measured in docs/benchmarks.md:
-decode 3-7x faster than gathering, prefill 1.5-2.6x faster than PyTorch's CPU flash attention).
+decode 3-7x faster than gathering, prefill 1.5-2.6x faster than PyTorch's CPU flash attention,
+on an AVX512-BF16 CPU).
 
-Without it (CUDA, float32, another CPU, no compiler):
+Without it (CUDA, float32, another CPU, no compiler, ``MINISGL_CPU_KERNELS=off``):
 Decode (the step ``--compile`` compiles; see ``decode_dims``): every request's cached keys are
 gathered into a padded [B, Lk] layout with index tensors built once per step (Lk rounded up to a
 bucket), then two batched matmuls with a boolean mask; no data-dependent Python per layer.
@@ -96,7 +98,7 @@ class TorchNativeBackend(AttentionBackend):
             dtype, num_heads, num_kv_heads, head_dim)
         # decode steps' decoder layers as one call each (fused_decoder_layer, for this backend)
         self.fused_layers = self.uses_cpu_kernel and cpu_kernels.fused_layer_enabled()
-        # PyTorch's path: on a CPU without bf16 instructions (AVX2) PyTorch's bf16 matmuls are
+        # PyTorch's path: on a CPU without bf16 instructions (AVX2), PyTorch's bf16 matmuls are
         # slow (a bmm of SmolLM2's batch-1 decode attention took ~90 us, 60 of them 4.6 ms of a
         # 29 ms step on 2 Zen 3 cores), so there the decode attention runs in float32
         self.decode_f32 = (device.type == "cpu" and dtype == torch.bfloat16

@@ -1,5 +1,6 @@
-// Paged attention for CPUs with AVX512-BF16 (prefill, extend and decode in one kernel).
-// Built on first use by minisgl/backends/cpu_kernels.py; see there for when it is used.
+// Paged attention on x86 CPUs (prefill, extend and decode in one kernel), for AVX512-BF16 or,
+// in float32, AVX2 with FMA. Built on first use by minisgl/backends/cpu_kernels.py; see there
+// for when it is used.
 //
 // Inputs: q [T, H, D] bf16 (the batch's new tokens, request after request); the KV pool k, v
 // [KVH, S, D] bf16 (minisgl.core.kvcache.KVPool, already holding the new tokens' K/V), read in
@@ -17,7 +18,8 @@
 // Decode requests whose slot rows begin with the same slots (a prefix the radix cache shares)
 // form groups: one item runs the shared keys for the queries of up to 16 of them, each request
 // runs its own keys after, and the parts merge as in split-K (not with a window: every request
-// sees keys of its own range).
+// sees keys of its own range). The AVX2 build (no bf16 dot product) runs the same items and
+// blocks in float32: K widened once per block, P not rounded (see run_item there).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,23 +36,91 @@
 
 #include "kernels.h"
 
+// Two builds of the per-item kernel (run_item, write_row): AVX512-BF16, or AVX2 with FMA
+// (float32 arithmetic, below); the work items, split-K and the merge are shared.
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define MINISGL_FAST 1
+#define MINISGL_ATTN_AVX2 0
 #include <immintrin.h>
 
-#include "vec_exp.h"
+#include "vec.h"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MINISGL_FAST 0
+#define MINISGL_ATTN_AVX2 1
+#include <immintrin.h>
+
+#include "vec.h"
 #else
 #define MINISGL_FAST 0
+#define MINISGL_ATTN_AVX2 0
 #endif
+#define MINISGL_ATTN_ANY (MINISGL_FAST || MINISGL_ATTN_AVX2)
 
 namespace {
 
-#if MINISGL_FAST
+#if MINISGL_ATTN_ANY
 
 constexpr int KB = 16;    // keys per block
 constexpr int QB = 16;    // queries per work item
 constexpr int MAXD = 256;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+struct Item {
+  int64_t b, h, q0, nq, k0, k1;  // request, kv head, first query, queries, key range
+  int64_t part;                   // index into the split-K buffer, -1: write the output directly
+  // Decode over a shared prefix: the item's rows are the queries of requests members[m0 ..
+  // m0 + mn) (b is the first), keys [k0, k1) common to all; parts part .. part + mn - 1.
+  int64_t m0 = 0, mn = 0;
+};
+
+// Row r of an item (query r / G of the item, head r % G of the kv head's group): its query's
+// offset in q, and the keys it sees, [low, lim) (all of a shared prefix to a decode query; from
+// the window's first key on); its running max m and sum l start empty.
+void item_rows(const Item& it, int64_t prefix, int64_t qrow0, const int64_t* members,
+               const int64_t* q_start, int64_t H, int64_t G, int64_t D, int64_t window,
+               int64_t* qoff, int64_t* lim, int64_t* low, float* m, float* l) {
+  for (int64_t r = 0; r < it.nq * G; ++r) {
+    const int64_t i = it.q0 + r / G, g = r % G;
+    const int64_t row = it.mn > 0 ? q_start[members[it.m0 + r / G]] : qrow0 + i;
+    qoff[r] = (row * H + it.h * G + g) * D;
+    lim[r] = it.mn > 0 ? it.k1 : std::min(it.k1, prefix + i + 1);
+    low[r] = window > 0 ? std::max<int64_t>(0, prefix + i + 1 - window) : 0;
+    m[r] = NEG_INF;
+    l[r] = 0.f;
+  }
+}
+
+// Prefetch the K and V rows of keys [j0, j1) (their slots in srow); Locality 3: into L1, 1: L2.
+template <int Locality>
+inline void prefetch_rows(const uint16_t* kh, const uint16_t* vh, const int64_t* srow,
+                          int64_t j0, int64_t j1, int64_t D) {
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t off = 0; off < D; off += 32) {
+      __builtin_prefetch(kh + srow[j] * D + off, 0, Locality);
+      __builtin_prefetch(vh + srow[j] * D + off, 0, Locality);
+    }
+}
+
+// The K and V rows of the block of keys kb .. kb + nk - 1 (null past nk), and prefetches.
+// Pages are scattered in the pool: ask for the rows two blocks ahead of use into L1, then the
+// rows three blocks ahead into L2 (prefetcht2). Measured for 64 decode requests x 1,104 keys
+// on scattered pages (K/V from DRAM, AVX-512): L1 alone two ahead 5.9 ms, three ahead 6.0, L2
+// alone 6.3-7.1, both 3.2-3.4 ms per layer (4.1 with the L2 loop first); from cache (16 x 600
+// keys) unchanged.
+inline void block_rows(const uint16_t* kh, const uint16_t* vh, const int64_t* srow, int64_t kb,
+                       int nk, int64_t k1, int64_t D, const uint16_t** krow,
+                       const uint16_t** vrow) {
+  for (int j = 0; j < KB; ++j) {
+    krow[j] = j < nk ? kh + srow[kb + j] * D : nullptr;
+    vrow[j] = j < nk ? vh + srow[kb + j] * D : nullptr;
+  }
+  prefetch_rows<3>(kh, vh, srow, kb + 2 * KB, std::min(kb + 3 * KB, k1), D);
+  prefetch_rows<1>(kh, vh, srow, kb + 3 * KB, std::min(kb + 4 * KB, k1), D);
+}
+
+#endif
+
+#if MINISGL_FAST
 
 using minisgl_vec::exp16;
 
@@ -80,14 +150,6 @@ inline void transpose16(__m512i* r) {
   }
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
-
-struct Item {
-  int64_t b, h, q0, nq, k0, k1;  // request, kv head, first query, queries, key range
-  int64_t part;                   // index into the split-K buffer, -1: write the output directly
-  // Decode over a shared prefix: the item's rows are the queries of requests members[m0 ..
-  // m0 + mn) (b is the first), keys [k0, k1) common to all; parts part .. part + mn - 1.
-  int64_t m0 = 0, mn = 0;
-};
 
 // Scores of NR rows against one key block: out[r] lane j = q_r . k_j (float32). A decode item
 // has only G rows (3 for SmolLM2), so each row's sum over the pairs runs in U independent chains
@@ -126,17 +188,6 @@ inline void qk_dispatch(int nr, const int32_t* const* q, const __m512i* kt, int6
   }
 }
 
-// Prefetch the K and V rows of keys [j0, j1) (their slots in srow); Locality 3: into L1, 1: L2.
-template <int Locality>
-inline void prefetch_rows(const uint16_t* kh, const uint16_t* vh, const int64_t* srow,
-                          int64_t j0, int64_t j1, int64_t D) {
-  for (int64_t j = j0; j < j1; ++j)
-    for (int64_t off = 0; off < D; off += 32) {
-      __builtin_prefetch(kh + srow[j] * D + off, 0, Locality);
-      __builtin_prefetch(vh + srow[j] * D + off, 0, Locality);
-    }
-}
-
 // One work item. O is float32 [R, D] in the "pair" order of the PV product: within each 32 dims,
 // the first 16 floats are dims {8l + i : l < 4, i < 4} and the next 16 dims {8l + 4 + i}.
 void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
@@ -149,20 +200,14 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
   alignas(64) static thread_local __m512i vp[KB / 2 * MAXD / 16];
   alignas(64) static thread_local uint16_t pb[QB * 8][KB];  // P of each row, bf16
   static thread_local std::vector<const int32_t*> qrow;
-  static thread_local std::vector<int64_t> lim, low;
+  static thread_local std::vector<int64_t> qoff, lim, low;
   qrow.resize(R);
+  qoff.resize(R);
   lim.resize(R);
   low.resize(R);
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t i = it.q0 + r / G, g = r % G;
-    const int64_t row = it.mn > 0 ? q_start[members[it.m0 + r / G]] : qrow0 + i;
-    qrow[r] = reinterpret_cast<const int32_t*>(q + (row * H + it.h * G + g) * D);
-    // keys [k0, lim) are visible to row r (all of a shared prefix to a decode query)
-    lim[r] = it.mn > 0 ? it.k1 : std::min(it.k1, prefix + i + 1);
-    low[r] = window > 0 ? std::max<int64_t>(0, prefix + i + 1 - window) : 0;  // and from here
-    m[r] = NEG_INF;
-    l[r] = 0.f;
-  }
+  item_rows(it, prefix, qrow0, members, q_start, H, G, D, window, qoff.data(), lim.data(),
+            low.data(), m, l);
+  for (int64_t r = 0; r < R; ++r) qrow[r] = reinterpret_cast<const int32_t*>(q + qoff[r]);
   std::fill(O, O + R * D, 0.f);
   const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * D;
   const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * D;
@@ -172,17 +217,7 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     const int nk = static_cast<int>(std::min<int64_t>(KB, it.k1 - kb));
     const uint16_t* krow[KB];
     const uint16_t* vrow[KB];
-    for (int j = 0; j < KB; ++j) {
-      krow[j] = j < nk ? kh + srow[kb + j] * D : nullptr;
-      vrow[j] = j < nk ? vh + srow[kb + j] * D : nullptr;
-    }
-    // Pages are scattered in the pool: ask for the rows two blocks ahead of use into L1, then
-    // the rows three blocks ahead into L2 (prefetcht2). Measured for 64 decode requests x 1,104
-    // keys on scattered pages (K/V from DRAM): L1 alone two ahead 5.9 ms, three ahead 6.0,
-    // L2 alone 6.3-7.1, both 3.2-3.4 ms per layer (4.1 with the L2 loop first); from cache
-    // (16 x 600 keys) unchanged.
-    prefetch_rows<3>(kh, vh, srow, kb + 2 * KB, std::min(kb + 3 * KB, it.k1), D);
-    prefetch_rows<1>(kh, vh, srow, kb + 3 * KB, std::min(kb + 4 * KB, it.k1), D);
+    block_rows(kh, vh, srow, kb, nk, it.k1, D, krow, vrow);
     // K block transposed: kt[p] lane j = dims (2p, 2p+1) of key j.
     for (int64_t c = 0; c < D / 32; ++c) {
       __m512i* t = kt + c * 16;
@@ -262,15 +297,208 @@ inline void write_row(const float* o, float inv, int64_t D, c10::BFloat16* out) 
   }
 }
 
-#endif  // MINISGL_FAST
+#elif MINISGL_ATTN_AVX2
 
-bool available() { return MINISGL_FAST; }
+// The AVX2 build: the same items and 16-key blocks in float32 (AVX2 has no bf16 dot product).
+// Per block, K is transposed and widened once: kt[d] = dim d of the block's 16 keys as two
+// halves (keys 0-7, 8-15), so a row's 16 scores are D FMAs of its query's dims (widened once
+// per item) with no horizontal sums; the softmax is online as above; P stays float32 and
+// O += P V multiplies V rows widened on the fly. O is in the natural dim order.
+
+using minisgl_vec::exp8;
+using minisgl_vec::load_bf16;
+
+struct F16 { __m256 lo, hi; };  // 16 float32 lanes: keys 0-7 and 8-15 of a block
+
+// 8 x 8 transpose of 32-bit words, in place.
+inline void transpose8(__m256i* r) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {  // within each 128-bit lane: words 0, 1 | 4, 5 and 2, 3 | 6, 7
+    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // u[4i + w]: word w | w + 4 of rows 4i .. 4i + 3
+    u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int w = 0; w < 4; ++w) {
+    r[w] = _mm256_permute2x128_si256(u[w], u[4 + w], 0x20);
+    r[4 + w] = _mm256_permute2x128_si256(u[w], u[4 + w], 0x31);
+  }
+}
+
+// Scores of NR rows against one key block: out[r] lane j = q_r . k_j. Decode items have few
+// rows (G, 3 for SmolLM2): two chains per half and row then (an FMA waits for the previous one
+// on its accumulator); 12 accumulators either way.
+template <int NR>
+inline void qk_rows(const float* const* q, const F16* kt, int64_t D, F16* out) {
+  constexpr int U = NR <= 3 ? 2 : 1;
+  __m256 lo[NR][U], hi[NR][U];
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < U; ++u) lo[r][u] = hi[r][u] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += U)
+    for (int u = 0; u < U; ++u) {
+      const __m256 klo = kt[d + u].lo, khi = kt[d + u].hi;
+      for (int r = 0; r < NR; ++r) {
+        const __m256 x = _mm256_broadcast_ss(q[r] + d + u);
+        lo[r][u] = _mm256_fmadd_ps(x, klo, lo[r][u]);
+        hi[r][u] = _mm256_fmadd_ps(x, khi, hi[r][u]);
+      }
+    }
+  for (int r = 0; r < NR; ++r) {
+    out[r] = {lo[r][0], hi[r][0]};
+    for (int u = 1; u < U; ++u)
+      out[r] = {_mm256_add_ps(out[r].lo, lo[r][u]), _mm256_add_ps(out[r].hi, hi[r][u])};
+  }
+}
+
+constexpr int kRows = 6;  // rows per qk_rows call at most (12 accumulators of 16 registers)
+
+inline void qk_dispatch(int nr, const float* const* q, const F16* kt, int64_t D, F16* out) {
+  switch (nr) {
+    case 1: return qk_rows<1>(q, kt, D, out);
+    case 2: return qk_rows<2>(q, kt, D, out);
+    case 3: return qk_rows<3>(q, kt, D, out);
+    case 4: return qk_rows<4>(q, kt, D, out);
+    case 5: return qk_rows<5>(q, kt, D, out);
+    default: return qk_rows<6>(q, kt, D, out);
+  }
+}
+
+// One work item, as the AVX-512 one; O float32 [R, D] in the natural dim order.
+void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
+              const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
+              int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
+              int64_t S, int64_t G, int64_t D, float scale, int64_t window, float* O, float* m,
+              float* l) {
+  const int64_t R = it.nq * G;
+  alignas(32) static thread_local F16 kt[MAXD];
+  alignas(32) static thread_local float pb[QB * 8][KB];  // P of each row
+  static thread_local std::vector<float> qf;  // the rows' queries in float32, [R, D]
+  static thread_local std::vector<const float*> qrow;
+  static thread_local std::vector<int64_t> qoff, lim, low;
+  qf.resize(R * D);
+  qrow.resize(R);
+  qoff.resize(R);
+  lim.resize(R);
+  low.resize(R);
+  item_rows(it, prefix, qrow0, members, q_start, H, G, D, window, qoff.data(), lim.data(),
+            low.data(), m, l);
+  for (int64_t r = 0; r < R; ++r) {
+    qrow[r] = qf.data() + r * D;
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(qf.data() + r * D + d, load_bf16(q + qoff[r] + d));
+  }
+  std::fill(O, O + R * D, 0.f);
+  const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * D;
+  const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * D;
+  const int64_t* srow = slots + it.b * Lk;
+  const __m256i zero = _mm256_setzero_si256(), high = _mm256_set1_epi32(int(0xFFFF0000u));
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i lane8 = _mm256_add_epi32(lane, _mm256_set1_epi32(8));
+  const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(NEG_INF);
+  for (int64_t kb = it.k0; kb < it.k1; kb += KB) {
+    const int nk = static_cast<int>(std::min<int64_t>(KB, it.k1 - kb));
+    const int halves = nk > 8 ? 2 : 1;  // keys 8-15 past nk: their lanes stay masked
+    const uint16_t* krow[KB];
+    const uint16_t* vrow[KB];
+    block_rows(kh, vh, srow, kb, nk, it.k1, D, krow, vrow);
+    // kt[d] = dim d of the block's keys: 32 bytes (16 dims, 8 pairs) of 8 keys transposed,
+    // then each pair's even and odd dim widened
+    for (int64_t c = 0; c < D / 16; ++c)
+      for (int half = 0; half < halves; ++half) {
+        __m256i t[8];
+        for (int j = 0; j < 8; ++j) {
+          const uint16_t* row = krow[8 * half + j];
+          t[j] = row ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 16)) : zero;
+        }
+        transpose8(t);  // t[i] lane j: dims 16c + 2i, 16c + 2i + 1 of key 8 half + j
+        for (int i = 0; i < 8; ++i) {
+          const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(t[i], 16));
+          const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(t[i], high));
+          F16& a = kt[16 * c + 2 * i];
+          F16& b = kt[16 * c + 2 * i + 1];
+          (half ? a.hi : a.lo) = even;
+          (half ? b.hi : b.lo) = odd;
+        }
+      }
+    // Scores and online softmax, kRows rows at a time.
+    for (int64_t r0 = 0; r0 < R; r0 += kRows) {
+      const int nr = static_cast<int>(std::min<int64_t>(kRows, R - r0));
+      F16 s[kRows];
+      qk_dispatch(nr, qrow.data() + r0, kt, D, s);
+      for (int rr = 0; rr < nr; ++rr) {
+        const int64_t r = r0 + rr;
+        const int64_t visible = std::clamp<int64_t>(lim[r] - kb, 0, nk);
+        const int64_t hidden = std::clamp<int64_t>(low[r] - kb, 0, nk);  // before the window
+        if (visible <= hidden) {
+          std::memset(pb[r], 0, sizeof(pb[r]));
+          continue;
+        }
+        auto seen = [&](__m256i idx) {  // lanes hidden <= j < visible
+          return _mm256_castsi256_ps(_mm256_andnot_si256(
+              _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(hidden)), idx),
+              _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(visible)), idx)));
+        };
+        const __m256 mlo = seen(lane), mhi = seen(lane8);
+        const __m256 xlo = _mm256_blendv_ps(ninf, _mm256_mul_ps(s[rr].lo, vscale), mlo);
+        const __m256 xhi = _mm256_blendv_ps(ninf, _mm256_mul_ps(s[rr].hi, vscale), mhi);
+        const float mx = std::max(m[r], minisgl_vec::hmax8(_mm256_max_ps(xlo, xhi)));
+        const __m256 vmx = _mm256_set1_ps(mx);
+        const __m256 plo = _mm256_and_ps(mlo, exp8(_mm256_sub_ps(xlo, vmx)));
+        const __m256 phi = _mm256_and_ps(mhi, exp8(_mm256_sub_ps(xhi, vmx)));
+        const float corr = m[r] == mx         ? 1.f
+                           : m[r] == NEG_INF ? 0.f
+                                             : _mm256_cvtss_f32(exp8(_mm256_set1_ps(m[r] - mx)));
+        l[r] = l[r] * corr + minisgl_vec::hsum8(_mm256_add_ps(plo, phi));
+        m[r] = mx;
+        if (corr != 1.f) {
+          float* o = O + r * D;
+          for (int64_t d = 0; d < D; d += 8)
+            _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), _mm256_set1_ps(corr)));
+        }
+        _mm256_storeu_ps(pb[r], plo);
+        _mm256_storeu_ps(pb[r] + 8, phi);
+      }
+    }
+    // O += P V, 8 dims and 8 keys at a time (their V in registers), two chains per row.
+    for (int64_t d = 0; d < D; d += 8)
+      for (int half = 0; half < halves; ++half) {
+        __m256 w[8];
+        for (int j = 0; j < 8; ++j) {
+          const uint16_t* row = vrow[8 * half + j];
+          w[j] = row ? load_bf16(row + d) : _mm256_setzero_ps();
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          const float* pr = pb[r] + 8 * half;
+          __m256 a = _mm256_loadu_ps(O + r * D + d), b = _mm256_setzero_ps();
+          for (int j = 0; j < 8; j += 2) {
+            a = _mm256_fmadd_ps(_mm256_broadcast_ss(pr + j), w[j], a);
+            b = _mm256_fmadd_ps(_mm256_broadcast_ss(pr + j + 1), w[j + 1], b);
+          }
+          _mm256_storeu_ps(O + r * D + d, _mm256_add_ps(a, b));
+        }
+      }
+  }
+}
+
+// O's row scaled by inv, as bf16.
+inline void write_row(const float* o, float inv, int64_t D, c10::BFloat16* out) {
+  for (int64_t d = 0; d < D; d += 8)
+    minisgl_vec::store_bf16(out + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), _mm256_set1_ps(inv)));
+}
+
+#endif  // the builds
+
+bool available() { return MINISGL_ATTN_ANY; }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& slots, const at::Tensor& kv_lens,
                            const at::Tensor& q_start, const at::Tensor& q_lens, double scale,
                            int64_t window) {
-  TORCH_CHECK(MINISGL_FAST, "minisgl_cpu: built without AVX512-BF16");
+  TORCH_CHECK(MINISGL_ATTN_ANY, "paged_attention needs AVX2 with FMA (or AVX512-BF16)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q: [T, H, D]; k, v: [KVH, S, D]");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
@@ -286,7 +514,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(slots.dim() == 2 && kv_lens.numel() == B && q_start.numel() == B && q_lens.numel() == B,
               "slots: [B, Lk]; kv_lens, q_start, q_lens: [B]");
   auto out = at::empty(q.sizes(), q.options());
-#if MINISGL_FAST
+#if MINISGL_ATTN_ANY
   const int64_t H = q.size(1), D = q.size(2), KVH = k.size(0), S = k.size(1), G = H / KVH;
   const int64_t Lk = slots.size(1);
   const int64_t* kl = kv_lens.data_ptr<int64_t>();

@@ -32,14 +32,24 @@
 
 #include "kernels.h"
 
+// Two builds, as the linears and the attention: AVX512-BF16, or AVX2 with FMA.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define MINISGL_LAYER_FAST 1
+#define MINISGL_LAYER_AVX2 0
 #include <immintrin.h>
 
-#include "vec_exp.h"
+#include "vec.h"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MINISGL_LAYER_FAST 0
+#define MINISGL_LAYER_AVX2 1
+#include <immintrin.h>
+
+#include "vec.h"
 #else
 #define MINISGL_LAYER_FAST 0
+#define MINISGL_LAYER_AVX2 0
 #endif
+#define MINISGL_LAYER_ANY (MINISGL_LAYER_FAST || MINISGL_LAYER_AVX2)
 
 namespace {
 
@@ -87,13 +97,6 @@ void norm_row(const bf16* x, const bf16* res, const bf16* w, double eps, int64_t
   }
 }
 
-void add_rms_norm(const bf16* x, const bf16* res, const bf16* w, double eps, int64_t M,
-                  int64_t H, bf16* r, bf16* y) {
-  each_row(M, [&](int64_t m) {
-    norm_row(x + m * H, res == nullptr ? nullptr : res + m * H, w, eps, H, r + m * H, y + m * H);
-  });
-}
-
 // y[m] += b (a linear layer's bias), rounded to bf16.
 void add_bias(bf16* y, const bf16* b, int64_t M, int64_t N) {
   each_row(M, [&](int64_t m) {
@@ -133,7 +136,75 @@ inline void silu_mul(const bf16* gu, int64_t I, bf16* act) {
   }
 }
 
-#endif  // MINISGL_LAYER_FAST
+#elif MINISGL_LAYER_AVX2
+
+// The same steps 8 lanes at a time (the last n % 8 through a zero-padded copy).
+using minisgl_vec::load_bf16;
+using minisgl_vec::rounded;
+using minisgl_vec::store_bf16;
+
+void norm_row(const bf16* x, const bf16* res, const bf16* w, double eps, int64_t H, bf16* r,
+              bf16* y) {
+  __m256 ss = _mm256_setzero_ps();
+  for (int64_t i = 0; i < H; i += 8) {
+    __m256 v = load_bf16(x + i, H - i);
+    if (res != nullptr) v = rounded(_mm256_add_ps(v, load_bf16(res + i, H - i)));
+    store_bf16(r + i, v, H - i);
+    ss = _mm256_fmadd_ps(v, v, ss);
+  }
+  const float mean = minisgl_vec::hsum8(ss) / static_cast<float>(H);
+  const __m256 inv = _mm256_set1_ps(1.f / std::sqrt(mean + static_cast<float>(eps)));
+  for (int64_t i = 0; i < H; i += 8) {
+    const __m256 normed = rounded(_mm256_mul_ps(load_bf16(r + i, H - i), inv));
+    store_bf16(y + i, _mm256_mul_ps(load_bf16(w + i, H - i), normed), H - i);
+  }
+}
+
+void add_bias(bf16* y, const bf16* b, int64_t M, int64_t N) {
+  each_row(M, [&](int64_t m) {
+    for (int64_t i = 0; i < N; i += 8)
+      store_bf16(y + m * N + i, _mm256_add_ps(load_bf16(y + m * N + i, N - i),
+                                               load_bf16(b + i, N - i)), N - i);
+  });
+}
+
+inline void rope(const bf16* src, const bf16* c, const bf16* s, int64_t D, bf16* dst) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < half; d += 8) {
+    const __m256 lo = load_bf16(src + d), hi = load_bf16(src + d + half);
+    const __m256 neg_hi = _mm256_sub_ps(_mm256_setzero_ps(), hi);
+    store_bf16(dst + d, _mm256_add_ps(rounded(_mm256_mul_ps(lo, load_bf16(c + d))),
+                                      rounded(_mm256_mul_ps(neg_hi, load_bf16(s + d)))));
+    store_bf16(dst + d + half,
+               _mm256_add_ps(rounded(_mm256_mul_ps(hi, load_bf16(c + d + half))),
+                             rounded(_mm256_mul_ps(lo, load_bf16(s + d + half)))));
+  }
+}
+
+inline void silu_mul(const bf16* gu, int64_t I, bf16* act) {
+  const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  for (int64_t i = 0; i < I; i += 8) {
+    const __m256 g = load_bf16(gu + i, I - i);
+    // e = e^-|g|: sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below
+    const __m256 e = minisgl_vec::exp8(_mm256_sub_ps(zero, _mm256_andnot_ps(sign, g)));
+    const __m256 neg = _mm256_cmp_ps(g, zero, _CMP_LT_OQ);
+    const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, neg), _mm256_add_ps(one, e));
+    const __m256 u = load_bf16(gu + I + i, I - i);
+    store_bf16(act + i, _mm256_mul_ps(rounded(_mm256_mul_ps(g, sig)), u), I - i);
+  }
+}
+
+#endif  // the builds
+
+#if MINISGL_LAYER_ANY
+void add_rms_norm(const bf16* x, const bf16* res, const bf16* w, double eps, int64_t M,
+                  int64_t H, bf16* r, bf16* y) {
+  each_row(M, [&](int64_t m) {
+    norm_row(x + m * H, res == nullptr ? nullptr : res + m * H, w, eps, H, r + m * H, y + m * H);
+  });
+}
+
+#endif
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "decoder_layer: ", what); }
 
@@ -146,7 +217,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& v_pool, const at::Tensor& out_loc, const at::Tensor& slots,
     const at::Tensor& kv_lens, const at::Tensor& q_start, const at::Tensor& q_lens, double scale,
     double eps, int64_t heads, int64_t kv_heads, int64_t window) {
-  TORCH_CHECK(MINISGL_LAYER_FAST, "decoder_layer needs AVX512-BF16");
+  TORCH_CHECK(MINISGL_LAYER_ANY, "decoder_layer needs AVX2 with FMA (or AVX512-BF16)");
   const int64_t M = x.size(0), H = x.size(1), D = k_pool.size(2), S = k_pool.size(1);
   const int64_t NQ = heads * D, NKV = kv_heads * D, NQKV = NQ + 2 * NKV;
   check(weights.size() == 4 && (scales.empty() || scales.size() == 4),
@@ -193,7 +264,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   const bf16* kn = vec(k_norm, D);
   check((qn == nullptr) == (kn == nullptr), "q_norm and k_norm: both or neither");
   std::tuple<at::Tensor, at::Tensor> out;
-#if MINISGL_LAYER_FAST
+#if MINISGL_LAYER_ANY
   const auto opt = x.options();
   at::Tensor r = at::empty({M, H}, opt), h = at::empty({M, H}, opt);
   at::Tensor qkv = at::empty({M, NQKV}, opt), q = at::empty({M, heads, D}, opt);

@@ -69,6 +69,8 @@
 #define MINISGL_LINEAR_FAST 0
 #define MINISGL_LINEAR_AVX2 1
 #include <immintrin.h>
+
+#include "vec.h"
 #else
 #define MINISGL_LINEAR_FAST 0
 #define MINISGL_LINEAR_AVX2 0
@@ -203,31 +205,10 @@ struct Int8Format {
 using Half = __m256;
 
 // Row m's outputs n .. n + 15 (fewer at the end of N) from two float32 halves, rounded to bf16
-// (nearest even, as c10 rounds; x + 0x7FFF + (x >> 16 & 1), then the top half; NaN stays NaN).
-inline __m128i to_bf16(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i top = _mm256_srli_epi32(u, 16);
-  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
-                                        _mm256_and_si256(top, _mm256_set1_epi32(1)));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);  // quiet NaN
-  // 8 x 32-bit -> 8 x 16-bit (values < 2^16: packus keeps them), lanes back in order
-  const __m256i packed = _mm256_packus_epi32(r, r);
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
-}
-
+// (nearest even, as c10 rounds; NaN stays NaN).
 inline void store_halves(__m256 lo, __m256 hi, int64_t n, int64_t N, c10::BFloat16* y) {
-  const __m128i a = to_bf16(lo), b = to_bf16(hi);
-  if (n + kLanes <= N) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + n), a);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + n + 8), b);
-    return;
-  }
-  alignas(32) uint16_t t[kLanes];
-  _mm_store_si128(reinterpret_cast<__m128i*>(t), a);
-  _mm_store_si128(reinterpret_cast<__m128i*>(t + 8), b);
-  std::memcpy(y + n, t, (N - n) * sizeof(uint16_t));
+  minisgl_vec::store_bf16(y + n, lo, N - n);
+  if (N - n > 8) minisgl_vec::store_bf16(y + n + 8, hi, N - n - 8);
 }
 
 struct Bf16Format {
@@ -519,24 +500,12 @@ void quantize_row(const c10::BFloat16* x, int64_t K, int32_t qmax, int16_t* q, f
 }
 #else  // AVX2: the same steps 8 lanes at a time
 void quantize_row(const c10::BFloat16* x, int64_t K, int32_t qmax, int16_t* q, float* sx) {
-  auto load8 = [&](int64_t k) {  // 8 bf16 (fewer at the end, zeros past K) as float32
-    __m128i h;
-    if (K - k >= 8) {
-      h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k));
-    } else {
-      alignas(16) uint16_t t[8] = {};
-      std::memcpy(t, x + k, (K - k) * sizeof(uint16_t));
-      h = _mm_load_si128(reinterpret_cast<const __m128i*>(t));
-    }
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  };
+  // 8 bf16 (fewer at the end, zeros past K) as float32
+  auto load8 = [&](int64_t k) { return minisgl_vec::load_bf16(x + k, K - k); };
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 vmax = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, load8(k)));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vmax);
-  float amax = lanes[0];
-  for (float v : lanes) amax = std::max(amax, v);
+  const float amax = minisgl_vec::hmax8(vmax);
   const float inv = amax > 0 && std::isfinite(amax) ? static_cast<float>(qmax) / amax : 0.0f;
   *sx = inv > 0 ? amax / static_cast<float>(qmax) : 0.0f;
   const __m256 vinv = _mm256_set1_ps(inv);

@@ -26,7 +26,7 @@
 #define MINISGL_SAMPLE_FAST 1
 #include <immintrin.h>
 
-#include "vec_exp.h"
+#include "vec.h"
 #else
 #define MINISGL_SAMPLE_FAST 0
 #endif
@@ -83,12 +83,6 @@ void one_row(const float* x, int64_t V, int64_t* index, float* lse) {
 
 #elif MINISGL_SAMPLE_FAST  // AVX2: 8 lanes, the last V % 8 entries one by one
 
-inline float hmax(__m256 v) {
-  alignas(32) float t[8];
-  _mm256_store_ps(t, v);
-  return std::max({t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]});
-}
-
 void one_row(const float* x, int64_t V, int64_t* index, float* lse) {
   const int64_t V8 = V / 8 * 8;
   __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -98,7 +92,7 @@ void one_row(const float* x, int64_t V, int64_t* index, float* lse) {
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     vmax = _mm256_max_ps(vmax, v);
   }
-  float mx = hmax(vmax);
+  float mx = minisgl_vec::hmax8(vmax);
   bool any_nan = _mm256_movemask_ps(nan) != 0;
   for (int64_t k = V8; k < V; ++k) {
     any_nan |= std::isnan(x[k]);
@@ -116,9 +110,7 @@ void one_row(const float* x, int64_t V, int64_t* index, float* lse) {
     }
     sum = _mm256_add_ps(sum, minisgl_vec::exp8(_mm256_sub_ps(v, vm)));
   }
-  alignas(32) float t[8];
-  _mm256_store_ps(t, sum);
-  float total = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+  float total = minisgl_vec::hsum8(sum);
   for (int64_t k = V8; k < V; ++k) {
     if (first < 0 && x[k] == mx) first = k;
     total += std::exp(x[k] - mx);

@@ -5,9 +5,10 @@ layout that a matmul kernel reads directly. Two kernels can do it, both with the
 ``F.linear`` (bf16 products, float32 accumulation):
 
 - a kernel registered with ``register_bf16_linear`` (minisgl-backends registers its
-  ``bf16_linear`` on CPUs with AVX512-BF16 when its CPU kernels load: a decode step's 121 SmolLM2
-  weights stream at 93-98% of the machine's read speed, 1.5-1.7x faster than oneDNN, and it
-  keeps up with oneDNN up to 4,096 rows), used when registered before the weights are converted
+  ``bf16_linear`` on x86 CPUs with AVX2 and FMA when its CPU kernels load; with AVX512-BF16 a
+  decode step's 121 SmolLM2 weights stream at 93-98% of the machine's read speed, 1.5-1.7x
+  faster than oneDNN, and it keeps up with oneDNN up to 4,096 rows; without, oneDNN has no fast
+  bf16 at all), used when registered before the weights are converted
   (the engine builds the attention backend first);
 - otherwise oneDNN on its own prepacked layout, where oneDNN supports bf16 on this CPU (a 1-row
   matmul streams the weight ~1.9x faster than ``F.linear`` on the plain weight).
