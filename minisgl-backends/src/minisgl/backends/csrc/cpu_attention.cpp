@@ -90,6 +90,15 @@ void item_rows(const Item& it, int64_t prefix, int64_t qrow0, const int64_t* mem
   }
 }
 
+// The lanes [hidden, visible) of the block of nk keys from kb that a row seeing keys [low, lim)
+// sees (hidden: before its window); false when it sees none of them.
+inline bool row_lanes(int64_t low, int64_t lim, int64_t kb, int nk, int64_t& hidden,
+                      int64_t& visible) {
+  visible = std::clamp<int64_t>(lim - kb, 0, nk);
+  hidden = std::clamp<int64_t>(low - kb, 0, nk);
+  return hidden < visible;
+}
+
 // Prefetch the K and V rows of keys [j0, j1) (their slots in srow); Locality 3: into L1, 1: L2.
 template <int Locality>
 inline void prefetch_rows(const uint16_t* kh, const uint16_t* vh, const int64_t* srow,
@@ -240,9 +249,8 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
       qk_dispatch(nr, qrow.data() + r0, kt, P, s);
       for (int rr = 0; rr < nr; ++rr) {
         const int64_t r = r0 + rr;
-        const int64_t visible = std::clamp<int64_t>(lim[r] - kb, 0, nk);
-        const int64_t hidden = std::clamp<int64_t>(low[r] - kb, 0, nk);  // before the window
-        if (visible <= hidden) {
+        int64_t hidden, visible;
+        if (!row_lanes(low[r], lim[r], kb, nk, hidden, visible)) {
           std::memset(pb[r], 0, sizeof(pb[r]));
           continue;
         }
@@ -431,9 +439,8 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
       qk_dispatch(nr, qrow.data() + r0, kt, D, s);
       for (int rr = 0; rr < nr; ++rr) {
         const int64_t r = r0 + rr;
-        const int64_t visible = std::clamp<int64_t>(lim[r] - kb, 0, nk);
-        const int64_t hidden = std::clamp<int64_t>(low[r] - kb, 0, nk);  // before the window
-        if (visible <= hidden) {
+        int64_t hidden, visible;
+        if (!row_lanes(low[r], lim[r], kb, nk, hidden, visible)) {
           std::memset(pb[r], 0, sizeof(pb[r]));
           continue;
         }
