@@ -38,7 +38,8 @@
 // plain read speed, oneDNN at ~62%), 16 rows 13.8 vs 24.9, 32 rows 25.3 vs 30.8, 1024 rows 725
 // vs 732, 4096 rows 2,759 vs 2,848: as fast as oneDNN when compute-bound, faster when memory- or
 // call-bound, and one layout for both (oneDNN's packed weights were 1.6-1.9x slower at 4-64 rows
-// in the plain layout, so decode and prefill would have needed two copies).
+// in the plain layout, so decode and prefill would have needed two copies). The AVX2 build
+// widens each block to float32 once per thread for 64 rows and more (run_wide, below).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -53,7 +54,9 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "kernels.h"
 
@@ -427,6 +430,23 @@ constexpr std::array<MicroFn<F>, sizeof...(I)> micro_table(std::integer_sequence
   return {&micro<F, I / F::kNR + 1, I % F::kNR + 1>...};
 }
 
+// The chunks of rows m0 .. m1 for one panel: at most MR rows each, split evenly (21 = 6 + 5 + 5
+// + 5, not 6 + 6 + 6 + 3: a short last chunk does few multiply-adds per weight load; measured in
+// bf16 on a decode step's 121 SmolLM2 weights, 9 alternating passes: 8 rows 8.29 -> 7.81 ms, 21
+// rows 9.03 -> 8.49, 32 rows 12.49 -> 11.85, 64 rows 21.94 -> 21.91), each with its share of
+// the `lines` 64-byte lines at `next` to prefetch: fn(m, mr, pf, pf_lines, pf_per).
+template <class Fn>
+void chunks(const Args& a, int64_t m0, int64_t m1, int64_t MR, const char* next, int64_t lines,
+            const Fn& fn) {
+  const int64_t n = (m1 - m0 + MR - 1) / MR, base = (m1 - m0) / n, extra = (m1 - m0) % n;
+  const int64_t share = (lines + n - 1) / n;         // lines per chunk
+  const int64_t per = (share + a.K2 - 1) / a.K2;     // per pair of inputs
+  for (int64_t m = m0, c = 0; c < n; m += base + (c < extra), ++c) {
+    const int64_t first = std::min(lines, c * share);
+    fn(m, base + (c < extra), next + first * 64, std::min(share, lines - first), per);
+  }
+}
+
 // rows m0 .. m1 of x against blocks b0 .. b1: panels of F::kNR blocks outer (kept in L2),
 // F::kMR rows of x inner. The chunks also prefetch the next panel (contiguous: blocks follow
 // each other), a share each, so that its first chunk does not wait for DRAM: measured in bf16
@@ -444,40 +464,142 @@ void rows(const Args& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
     return;
   }
   const int64_t block_lines = (a.K2 * F::kLineBytes + 63) / 64;
-  const int64_t chunks = (m1 - m0 + kMR - 1) / kMR;
-  // rows split evenly over the chunks (21 = 6 + 5 + 5 + 5, not 6 + 6 + 6 + 3: a short last
-  // chunk does few multiply-adds per weight load). Measured in bf16 on a decode step's 121
-  // SmolLM2 weights, 9 alternating passes: 8 rows 8.29 -> 7.81 ms, 21 rows 9.03 -> 8.49, 32 rows
-  // 12.49 -> 11.85, 64 rows 21.94 -> 21.91.
-  const int64_t base = (m1 - m0) / chunks, extra = (m1 - m0) % chunks;
   for (int64_t b = b0; b < b1; b += kNR) {
     const int64_t nr = std::min<int64_t>(kNR, b1 - b);
     const char* next = a.w + (b + nr) * a.K2 * F::kLineBytes;
     const int64_t lines = std::min<int64_t>(kNR, b1 - b - nr) * block_lines;
-    const int64_t share = (lines + chunks - 1) / chunks;  // lines per chunk
-    const int64_t per = (share + a.K2 - 1) / a.K2;        // per pair of inputs
-    for (int64_t m = m0, c = 0; c < chunks; m += base + (c < extra), ++c) {
-      const int64_t mr = base + (c < extra);
-      const int64_t first = std::min(lines, c * share);
-      kMicro[(mr - 1) * kNR + (nr - 1)](a, m, b, next + first * 64,
-                                        std::min(share, lines - first), per);
-    }
+    chunks(a, m0, m1, kMR, next, lines,
+           [&](int64_t m, int64_t mr, const char* pf, int64_t pf_lines, int64_t pf_per) {
+             kMicro[(mr - 1) * kNR + (nr - 1)](a, m, b, pf, pf_lines, pf_per);
+           });
   }
 }
+
+// The threads' shares of M rows x NB blocks: fn(m0, m1, b0, b1) on each thread.
+template <class Fn>
+void split(int64_t M, int64_t NB, int64_t MR, const Fn& fn) {
+  const int64_t threads = at::get_num_threads();
+  if (NB >= 2 * threads || M <= MR) {
+    // each thread streams its own share of the weight once (whole blocks; x is shared)
+    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) { fn(0, M, b0, b1); });
+  } else {  // few output blocks, many rows: split the rows instead
+    at::parallel_for(0, (M + MR - 1) / MR, 1, [&](int64_t c0, int64_t c1) {
+      fn(c0 * MR, std::min(c1 * MR, M), 0, NB);
+    });
+  }
+}
+
+#if MINISGL_LINEAR_AVX2
+
+// bf16 with many rows (prefill) on AVX2. The microkernel above converts every line it loads
+// (4 ops) and every pair of x it broadcasts (2 ops per row) to float32 next to its 16 FMAs per
+// pair of 4 rows. Here x is converted once per call and each block of the weight once per
+// thread into a float32 panel (per pair of inputs: odd lanes 0-7, 8-15, even lanes 0-7, 8-15,
+// 128 bytes), so that the microkernel is broadcasts from memory and 24 FMAs per pair of 6 rows,
+// in the same order per accumulator (odd, then even product): the same sums as the microkernel
+// above. Measured on AMD Zen 3 (2 threads; the 121 decode weights, the two kernels alternating
+// in one process, 4-8 pairs): 64 rows 0.85-0.92x the time, 128 rows 0.90x, 512 rows 0.98x,
+// 1024 rows 0.89x; at 16-48 rows 1.04-1.11x (the widening not yet paid for), hence kWideRows.
+// From 48 rows on it reaches 125-145 GFLOP/s, about the host's FMA peak (a register-only FMA
+// loop: 138 GFLOP/s on its 2 threads, 91 on one).
+constexpr int kWideMR = 6;
+constexpr int64_t kWideRows = 64;  // from this many rows on
+
+// the K2 lines of a bf16 block (64-byte lines) as float32 (128 bytes per line)
+void widen_block(const char* w, int64_t K2, float* out) {
+  for (int64_t p = 0; p < K2; ++p, w += 64, out += 32) {
+    const Bf16Format::Line l = Bf16Format::load(w);
+    _mm256_storeu_ps(out, l.olo);
+    _mm256_storeu_ps(out + 8, l.ohi);
+    _mm256_storeu_ps(out + 16, l.elo);
+    _mm256_storeu_ps(out + 24, l.ehi);
+  }
+}
+
+// y[m .. m + MR) x one block (16 outputs from n) from the widened block wf; x as float32 [M, K].
+// Also prefetches pf_lines (at most K2) 64-byte lines at pf, one per pair (a chunk's share of
+// the next block, as micro), without a branch: with one, GCC 12 kept two copies of the loop and
+// stored all 12 accumulators to the stack on every pair of the prefetching one.
+template <int MR>
+void micro_wide(const Args& a, const float* xf, int64_t m, const float* wf, int64_t n,
+                const char* pf, int64_t pf_lines) {
+  Bf16Format::Acc acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = Bf16Format::zero();
+  const int64_t K2 = a.K2, K = 2 * K2;
+  const float* x = xf + m * K;
+  const int64_t pf_last = std::max<int64_t>(pf_lines - 1, 0);  // then the last line again
+  for (int64_t p = 0; p < K2; ++p, wf += 32) {
+    _mm_prefetch(pf + std::min(p, pf_last) * 64, _MM_HINT_T0);
+    __m256 olo = _mm256_loadu_ps(wf), ohi = _mm256_loadu_ps(wf + 8);
+    // in registers: else GCC folds the loads into every FMA (36 loads per 24 FMAs, beyond
+    // Zen 3's load ports: 1.6x the time at 1,024 rows)
+    asm("" : "+x"(olo), "+x"(ohi));
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xo = _mm256_broadcast_ss(x + i * K + 2 * p + 1);
+      acc[i].lo = _mm256_fmadd_ps(olo, xo, acc[i].lo);
+      acc[i].hi = _mm256_fmadd_ps(ohi, xo, acc[i].hi);
+    }
+    __m256 elo = _mm256_loadu_ps(wf + 16), ehi = _mm256_loadu_ps(wf + 24);
+    asm("" : "+x"(elo), "+x"(ehi));
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xe = _mm256_broadcast_ss(x + i * K + 2 * p);
+      acc[i].lo = _mm256_fmadd_ps(elo, xe, acc[i].lo);
+      acc[i].hi = _mm256_fmadd_ps(ehi, xe, acc[i].hi);
+    }
+  }
+#pragma GCC unroll 8  // else the array lives on the stack, stored to on every pair (GCC 12)
+  for (int i = 0; i < MR; ++i) store_halves(acc[i].lo, acc[i].hi, n, a.N, a.y + (m + i) * a.N);
+}
+
+using WideFn = void (*)(const Args&, const float*, int64_t, const float*, int64_t, const char*,
+                        int64_t);
+template <int... I>
+constexpr std::array<WideFn, sizeof...(I)> wide_table(std::integer_sequence<int, I...>) {
+  return {&micro_wide<I + 1>...};
+}
+
+// rows m0 .. m1 against blocks b0 .. b1 as rows<> with one-block panels: each block widened
+// once into this thread's panel, the rows in chunks of at most kWideMR, the next block
+// prefetched meanwhile
+void rows_wide(const Args& a, const float* xf, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
+  static constexpr auto kMicro = wide_table(std::make_integer_sequence<int, kWideMR>{});
+  thread_local std::vector<float> panel;
+  panel.resize(a.K2 * 32);
+  const int64_t bb = a.K2 * Bf16Format::kLineBytes;
+  for (int64_t b = b0; b < b1; ++b) {
+    widen_block(a.w + b * bb, a.K2, panel.data());
+    chunks(a, m0, m1, kWideMR, a.w + (b + 1) * bb, b + 1 < b1 ? bb / 64 : 0,
+           [&](int64_t m, int64_t mr, const char* pf, int64_t pf_lines, int64_t) {
+             kMicro[mr - 1](a, xf, m, panel.data(), b * kLanes, pf, pf_lines);
+           });
+  }
+}
+
+void run_wide(const Args& a, int64_t M, int64_t NB) {
+  const int64_t K = 2 * a.K2;
+  std::vector<float> xf(M * K);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    const auto* x = reinterpret_cast<const c10::BFloat16*>(a.x);
+    for (int64_t i = m0 * K; i < m1 * K; ++i) xf[i] = static_cast<float>(x[i]);
+  });
+  split(M, NB, kWideMR, [&](int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
+    rows_wide(a, xf.data(), m0, m1, b0, b1);
+  });
+}
+
+#endif  // MINISGL_LINEAR_AVX2
 
 template <class F>
 void run(const Args& a, int64_t M, int64_t NB) {
   if (M == 0) return;
-  const int64_t threads = at::get_num_threads();
-  constexpr int kMR = F::kMR;
-  if (NB >= 2 * threads || M <= kMR) {
-    // each thread streams its own share of the weight once (whole blocks; x is shared)
-    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) { rows<F>(a, 0, M, b0, b1); });
-  } else {  // few output blocks, many rows: split the rows instead
-    at::parallel_for(0, (M + kMR - 1) / kMR, 1, [&](int64_t c0, int64_t c1) {
-      rows<F>(a, c0 * kMR, std::min(c1 * kMR, M), 0, NB);
-    });
+#if MINISGL_LINEAR_AVX2
+  if constexpr (std::is_same_v<F, Bf16Format>) {
+    if (M >= kWideRows) return run_wide(a, M, NB);
   }
+#endif
+  split(M, NB, F::kMR, [&](int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
+    rows<F>(a, m0, m1, b0, b1);
+  });
 }
 
 // Row m of x (bf16) -> int16 with |q| <= qmax and q * sx[m] ~= x, rounded to nearest even
