@@ -500,8 +500,8 @@ void split(int64_t M, int64_t NB, int64_t MR, const Fn& fn) {
 // above. Measured on AMD Zen 3 (2 threads; the 121 decode weights, the two kernels alternating
 // in one process, 4-8 pairs): 64 rows 0.85-0.92x the time, 128 rows 0.90x, 512 rows 0.98x,
 // 1024 rows 0.89x; at 16-48 rows 1.04-1.11x (the widening not yet paid for), hence kWideRows.
-// From 48 rows on it reaches 125-145 GFLOP/s, about the host's FMA peak (a register-only FMA
-// loop: 138 GFLOP/s on its 2 threads, 91 on one).
+// From 48 rows on it ran at 125-170 GFLOP/s, as fast as a register-only FMA loop beside it
+// (138-194 GFLOP/s on the host's 2 threads within the hour: its neighbours' load).
 constexpr int kWideMR = 6;
 constexpr int64_t kWideRows = 64;  // from this many rows on
 
