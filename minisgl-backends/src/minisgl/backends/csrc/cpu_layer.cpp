@@ -29,6 +29,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "kernels.h"
 
@@ -223,9 +224,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   check(weights.size() == 4 && (scales.empty() || scales.size() == 4),
         "weights: qkv, o, gate_up, down (packed); scales: none (bf16) or theirs (int8)");
   // y [M, N] = x [M, K] @ weights[i].T
-  auto linear = [&](int i, const at::Tensor& in, int64_t K, at::Tensor& out, int64_t N) {
-    minisgl::linear_into(in.const_data_ptr<bf16>(), M, K, weights[i],
-                         scales.empty() ? nullptr : &scales[i], N, out.mutable_data_ptr<bf16>());
+  auto linear = [&](int i, const bf16* in, int64_t K, bf16* out, int64_t N) {
+    minisgl::linear_into(in, M, K, weights[i], scales.empty() ? nullptr : &scales[i], N, out);
   };
   const int64_t I = weights[3].size(1) * 2;  // intermediate size: the down projection's inputs
   check(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
@@ -266,18 +266,27 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   std::tuple<at::Tensor, at::Tensor> out;
 #if MINISGL_LAYER_ANY
   const auto opt = x.options();
-  at::Tensor r = at::empty({M, H}, opt), h = at::empty({M, H}, opt);
-  at::Tensor qkv = at::empty({M, NQKV}, opt), q = at::empty({M, heads, D}, opt);
+  // the intermediates in one piece of scratch memory; y and r2 are the outputs
+  thread_local std::vector<char> keep;
+  at::Tensor big;
+  const int64_t sizes[] = {M * H, M * H, M * NQKV, M * H, 2 * M * I, M * I};  // r h qkv o gu act
+  size_t total = 0;
+  for (int64_t n : sizes) total += (n * sizeof(bf16) + 63) / 64 * 64;
+  bf16* part[6];
+  char* buf = minisgl::scratch(keep, big, total);
+  for (int i = 0; i < 6; buf += (sizes[i] * sizeof(bf16) + 63) / 64 * 64, ++i)
+    part[i] = reinterpret_cast<bf16*>(buf);
+  bf16 *r = part[0], *h = part[1], *qkv = part[2], *o = part[3], *gu = part[4], *act = part[5];
+  at::Tensor q = at::empty({M, heads, D}, opt);  // paged_attention's input
   add_rms_norm(x.const_data_ptr<bf16>(), residual ? residual->const_data_ptr<bf16>() : nullptr,
-               in_norm.const_data_ptr<bf16>(), eps, M, H, r.mutable_data_ptr<bf16>(),
-               h.mutable_data_ptr<bf16>());
+               in_norm.const_data_ptr<bf16>(), eps, M, H, r, h);
   linear(0, h, H, qkv, NQKV);
-  if (qkv_b != nullptr) add_bias(qkv.mutable_data_ptr<bf16>(), qkv_b, M, NQKV);
+  if (qkv_b != nullptr) add_bias(qkv, qkv_b, M, NQKV);
 
   bf16* kp = k_pool.mutable_data_ptr<bf16>();
   bf16* vp = v_pool.mutable_data_ptr<bf16>();
   each_row(M, [&](int64_t m) {
-    const bf16* row = qkv.const_data_ptr<bf16>() + m * NQKV;
+    const bf16* row = qkv + m * NQKV;
     const bf16* c = cos.const_data_ptr<bf16>() + m * D;
     const bf16* s = sin.const_data_ptr<bf16>() + m * D;
     bf16 copy[256], normed[256];  // a head of q or k, and the head after its RMSNorm (Qwen3)
@@ -296,20 +305,15 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
 
   at::Tensor a = minisgl::paged_attention(q, k_pool, v_pool, slots, kv_lens, q_start, q_lens,
                                           scale, window);
-  at::Tensor o = at::empty({M, H}, opt), r2 = at::empty({M, H}, opt);
-  linear(1, a, NQ, o, H);
-  if (o_b != nullptr) add_bias(o.mutable_data_ptr<bf16>(), o_b, M, H);
-  add_rms_norm(o.const_data_ptr<bf16>(), r.const_data_ptr<bf16>(),
-               post_norm.const_data_ptr<bf16>(), eps, M, H, r2.mutable_data_ptr<bf16>(),
-               h.mutable_data_ptr<bf16>());
+  at::Tensor r2 = at::empty({M, H}, opt);
+  linear(1, a.const_data_ptr<bf16>(), NQ, o, H);
+  if (o_b != nullptr) add_bias(o, o_b, M, H);
+  add_rms_norm(o, r, post_norm.const_data_ptr<bf16>(), eps, M, H, r2.mutable_data_ptr<bf16>(), h);
 
-  at::Tensor gu = at::empty({M, 2 * I}, opt), act = at::empty({M, I}, opt);
   linear(2, h, H, gu, 2 * I);
-  each_row(M, [&](int64_t m) {
-    silu_mul(gu.const_data_ptr<bf16>() + m * 2 * I, I, act.mutable_data_ptr<bf16>() + m * I);
-  });
+  each_row(M, [&](int64_t m) { silu_mul(gu + m * 2 * I, I, act + m * I); });
   at::Tensor y = at::empty({M, H}, opt);
-  linear(3, act, I, y, H);
+  linear(3, act, I, y.mutable_data_ptr<bf16>(), H);
   out = {y, r2};
 #endif
   return out;

@@ -697,10 +697,12 @@ void int8_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& w
   // K products of 127 * qmax must fit an int32
   const int32_t qmax = static_cast<int32_t>(
       std::min<int64_t>(kInt8MaxQ, INT32_MAX / (127 * std::max<int64_t>(K, 1))));
-  at::Tensor xq = at::empty({M, K}, wp.options().dtype(at::kShort));
-  at::Tensor sx = at::empty({M}, wp.options().dtype(at::kFloat));
-  int16_t* qp = xq.mutable_data_ptr<int16_t>();
-  float* sxp = sx.mutable_data_ptr<float>();
+  thread_local std::vector<char> keep;
+  at::Tensor big;
+  const size_t q_bytes = (M * K * sizeof(int16_t) + 63) / 64 * 64;
+  char* buf = minisgl::scratch(keep, big, q_bytes + M * sizeof(float));
+  int16_t* qp = reinterpret_cast<int16_t*>(buf);
+  float* sxp = reinterpret_cast<float*>(buf + q_bytes);
   at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1)),
                    [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, qmax, qp + m * K, sxp + m);
