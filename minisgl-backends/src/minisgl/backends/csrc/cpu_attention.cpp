@@ -652,7 +652,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
         of[it.b * KVH + it.h].push_back(it.part);
       }
     }
-    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    // a few (request, kv head) pairs (batch-1 decode: SmolLM2's 3) merge on this thread: a
+    // parallel region costs more than their G x parts x D multiply-adds
+    at::parallel_for(0, B * KVH, 8, [&](int64_t begin, int64_t end) {
       std::vector<float> res(D);
       for (int64_t bh = begin; bh < end; ++bh) {
         if (of[bh].empty()) continue;  // written directly
