@@ -269,14 +269,15 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   // the intermediates in one piece of scratch memory; y and r2 are the outputs
   thread_local std::vector<char> keep;
   at::Tensor big;
-  const int64_t sizes[] = {M * H, M * H, M * NQKV, M * H, 2 * M * I, M * I};  // r h qkv o gu act
-  size_t total = 0;
-  for (int64_t n : sizes) total += (n * sizeof(bf16) + 63) / 64 * 64;
-  bf16* part[6];
-  char* buf = minisgl::scratch(keep, big, total);
-  for (int i = 0; i < 6; buf += (sizes[i] * sizeof(bf16) + 63) / 64 * 64, ++i)
-    part[i] = reinterpret_cast<bf16*>(buf);
-  bf16 *r = part[0], *h = part[1], *qkv = part[2], *o = part[3], *gu = part[4], *act = part[5];
+  const size_t row = M * sizeof(bf16);
+  const auto p = minisgl::scratch(keep, big, {row * H, row * H, row * NQKV, row * H, row * 2 * I,
+                                              row * I});
+  auto* r = reinterpret_cast<bf16*>(p[0]);
+  auto* h = reinterpret_cast<bf16*>(p[1]);
+  auto* qkv = reinterpret_cast<bf16*>(p[2]);
+  auto* o = reinterpret_cast<bf16*>(p[3]);
+  auto* gu = reinterpret_cast<bf16*>(p[4]);
+  auto* act = reinterpret_cast<bf16*>(p[5]);
   at::Tensor q = at::empty({M, heads, D}, opt);  // paged_attention's input
   add_rms_norm(x.const_data_ptr<bf16>(), residual ? residual->const_data_ptr<bf16>() : nullptr,
                in_norm.const_data_ptr<bf16>(), eps, M, H, r, h);

@@ -563,27 +563,31 @@ constexpr std::array<WideFn, sizeof...(I)> wide_table(std::integer_sequence<int,
 // prefetched meanwhile
 void rows_wide(const Args& a, const float* xf, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
   static constexpr auto kMicro = wide_table(std::make_integer_sequence<int, kWideMR>{});
-  thread_local std::vector<float> panel;
-  panel.resize(a.K2 * 32);
+  thread_local std::vector<char> keep;
+  at::Tensor big;
+  const size_t panel_bytes = a.K2 * 32 * sizeof(float);  // widen_block's output
+  auto* panel = reinterpret_cast<float*>(minisgl::scratch(keep, big, {panel_bytes})[0]);
   const int64_t bb = a.K2 * Bf16Format::kLineBytes;
   for (int64_t b = b0; b < b1; ++b) {
-    widen_block(a.w + b * bb, a.K2, panel.data());
+    widen_block(a.w + b * bb, a.K2, panel);
     chunks(a, m0, m1, kWideMR, a.w + (b + 1) * bb, b + 1 < b1 ? bb / 64 : 0,
            [&](int64_t m, int64_t mr, const char* pf, int64_t pf_lines, int64_t) {
-             kMicro[mr - 1](a, xf, m, panel.data(), b * kLanes, pf, pf_lines);
+             kMicro[mr - 1](a, xf, m, panel, b * kLanes, pf, pf_lines);
            });
   }
 }
 
 void run_wide(const Args& a, int64_t M, int64_t NB) {
   const int64_t K = 2 * a.K2;
-  std::vector<float> xf(M * K);
+  thread_local std::vector<char> keep;
+  at::Tensor big;
+  auto* xf = reinterpret_cast<float*>(minisgl::scratch(keep, big, {M * K * sizeof(float)})[0]);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     const auto* x = reinterpret_cast<const c10::BFloat16*>(a.x);
     for (int64_t i = m0 * K; i < m1 * K; ++i) xf[i] = static_cast<float>(x[i]);
   });
   split(M, NB, kWideMR, [&](int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
-    rows_wide(a, xf.data(), m0, m1, b0, b1);
+    rows_wide(a, xf, m0, m1, b0, b1);
   });
 }
 
@@ -699,10 +703,9 @@ void int8_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& w
       std::min<int64_t>(kInt8MaxQ, INT32_MAX / (127 * std::max<int64_t>(K, 1))));
   thread_local std::vector<char> keep;
   at::Tensor big;
-  const size_t q_bytes = (M * K * sizeof(int16_t) + 63) / 64 * 64;
-  char* buf = minisgl::scratch(keep, big, q_bytes + M * sizeof(float));
-  int16_t* qp = reinterpret_cast<int16_t*>(buf);
-  float* sxp = reinterpret_cast<float*>(buf + q_bytes);
+  const auto p = minisgl::scratch(keep, big, {M * K * sizeof(int16_t), M * sizeof(float)});
+  int16_t* qp = reinterpret_cast<int16_t*>(p[0]);
+  float* sxp = reinterpret_cast<float*>(p[1]);
   at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1)),
                    [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, qmax, qp + m * K, sxp + m);

@@ -6,25 +6,35 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
 namespace minisgl {
 
-// `bytes` of scratch memory (64-byte aligned) for one call's intermediates: from `keep`, a
-// buffer the call site holds per thread (`thread_local`, one per site, so that a kernel calling
-// another does not share it), while at most kScratchKeep bytes (decode steps: no allocation per
-// call; a batch-1 SmolLM2 step made ~300 of them in bf16, ~560 in int8, ~1 us each); beyond, a
-// fresh tensor held in `big` (prefill: no large buffer stays with the thread).
+// Scratch memory for one call's intermediates: pieces of bytes[0], bytes[1], ... bytes, each
+// 64-byte aligned, from `keep`, a buffer the call site holds per thread (`thread_local`, one per
+// site, so that a kernel calling another does not share it), while they take at most
+// kScratchKeep bytes (decode steps: no allocation per call; a batch-1 SmolLM2 step made ~300 of
+// them in bf16, ~560 in int8, ~1 us each); beyond, from a fresh tensor held in `big` (prefill:
+// no large buffer stays with the thread).
 constexpr size_t kScratchKeep = size_t(1) << 20;
-inline char* scratch(std::vector<char>& keep, at::Tensor& big, size_t bytes) {
-  if (bytes > kScratchKeep) {
-    big = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kChar));
-    return static_cast<char*>(big.mutable_data_ptr());
+template <size_t N>
+std::array<char*, N> scratch(std::vector<char>& keep, at::Tensor& big, const size_t (&bytes)[N]) {
+  auto aligned = [](size_t n) { return (n + 63) / 64 * 64; };
+  size_t total = 0;
+  for (size_t n : bytes) total += aligned(n);
+  char* p;
+  if (total > kScratchKeep) {
+    big = at::empty({static_cast<int64_t>(total)}, at::TensorOptions().dtype(at::kChar));
+    p = static_cast<char*>(big.mutable_data_ptr());  // torch aligns to 64 bytes
+  } else {
+    if (keep.size() < kScratchKeep + 64) keep.resize(kScratchKeep + 64);
+    p = keep.data() + (-reinterpret_cast<uintptr_t>(keep.data()) & 63);
   }
-  if (keep.size() < kScratchKeep + 64) keep.resize(kScratchKeep + 64);
-  const auto at = reinterpret_cast<uintptr_t>(keep.data());
-  return keep.data() + (-at & 63);
+  std::array<char*, N> pieces;
+  for (size_t i = 0; i < N; p += aligned(bytes[i]), ++i) pieces[i] = p;
+  return pieces;
 }
 
 // y [M, N] = x [M, K] @ w.T (cpu_linear.cpp), x and y contiguous: w packed by bf16_pack
