@@ -14,6 +14,7 @@ CPU has AVX512-BF16), so every test here runs on both kinds of CPU.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -418,6 +419,63 @@ def test_linear_misaligned_weight_matches_aligned(rows: int, n: int, k: int) -> 
     packed8 = ops.int8_pack(q)
     assert packed8.data_ptr() % 64 == 0
     assert torch.equal(ops.int8_linear(x, _shifted(packed8), s, n), ops.int8_linear(x, packed8, s, n))
+
+
+def _mapping(address: int) -> dict[str, str] | None:
+    """The /proc/self/smaps fields of the mapping that holds ``address``, None when none does."""
+    fields: dict[str, str] | None = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split()[0]
+            if not first.endswith(":"):  # a mapping's header: start-end perms offset ...
+                if fields is not None:
+                    return fields
+                start, end = (int(a, 16) for a in first.split("-"))
+                fields = {} if start <= address < end else None
+            elif fields is not None:
+                fields[first[:-1]] = line.split(":", 1)[1].strip()
+    return fields
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+@pytest.mark.skipif(_thp_mode() == "never" or not os.path.exists("/proc/self/smaps"),
+                    reason="no transparent huge pages (Linux, THP not 'never')")
+def test_packed_weights_live_in_huge_page_arenas() -> None:
+    """Packs come from 2 MiB-aligned arenas the kernel may back with huge pages; an arena no
+    tensor uses any more is unmapped, except the current one, whose front is handed out again,
+    zero-filled; a weight larger than an arena gets one of its own."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    ops = torch.ops.minisgl_cpu
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(960, 576, generator=g).bfloat16()
+    packed = ops.bf16_pack(w)
+    region = _mapping(packed.data_ptr())
+    assert region is not None and region["THPeligible"] == "1"
+    x = torch.randn(2, 576, generator=g).bfloat16()
+    torch.testing.assert_close(ops.bf16_linear(x, packed, 960).double(),
+                               x.double() @ w.double().T, rtol=2.0 ** -8, atol=1e-5)
+
+    mib = 1 << 20
+    a, b, c = (ops.weight_zeros([40 * mib], torch.uint8) for _ in range(3))
+    # 40 MiB does not fit after 40 MiB of a 64 MiB arena: b and c each start a new one
+    assert b.data_ptr() % (2 * mib) == 0 and c.data_ptr() % (2 * mib) == 0
+    assert _mapping(b.data_ptr()) is not None and _mapping(c.data_ptr()) is not None
+    where_b, where_c = b.data_ptr(), c.data_ptr()
+    c.fill_(7)
+    del a, b, c
+    assert _mapping(where_b) is None  # b's arena: empty and not current, unmapped
+    d = ops.weight_zeros([mib], torch.uint8)
+    assert d.data_ptr() == where_c and not d.any()  # c's arena, reused from its front, zeroed
+    big = ops.weight_zeros([70 * mib], torch.uint8)
+    assert big.numel() == 70 * mib and not big.any()
+    assert _mapping(big.data_ptr() + 70 * mib - 1) is not None
 
 
 def test_bf16_linear_zero_rows_and_threads() -> None:

@@ -44,8 +44,10 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
+#include <sys/mman.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -53,6 +55,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -80,6 +83,76 @@
 #endif
 #define MINISGL_LINEAR_ANY (MINISGL_LINEAR_FAST || MINISGL_LINEAR_AVX2)
 
+// --- where packed weights live --------------------------------------------------------------
+// A decode step streams every weight once from DRAM. In 4 KiB pages that stream takes a TLB
+// miss and a page walk every 4 KiB (a batch-1 SmolLM2 step: ~66,000 pages for 269 MB, against
+// 2,048 entries in Zen 3's second-level TLB); in 2 MiB pages, 135. So the packs allocate from
+// arenas that Linux backs with transparent huge pages (madvise(MADV_HUGEPAGE): the "madvise"
+// THP mode, the usual default, grants them; with THP off they are plain pages, as before).
+// An arena is a 64 MiB mapping (more for a larger weight) handed out front to back; it is
+// unmapped when the last tensor in it is freed, or, the current one, reused from its start.
+namespace minisgl {
+namespace {
+
+struct Arena {
+  char* map = nullptr;   // what mmap returned (munmap's argument), `size` + 2 MiB long
+  char* base = nullptr;  // its first 2 MiB boundary
+  size_t size = 0, used = 0;
+  int64_t live = 0;      // tensors in it not yet freed
+};
+constexpr size_t kHugePage = size_t(2) << 20, kArena = size_t(64) << 20;
+Arena* arena = nullptr;  // the one new weights go to
+std::mutex& arena_mutex() {  // never destroyed: weights may be freed after static destructors
+  static auto* m = new std::mutex;
+  return *m;
+}
+
+void unmap(Arena* a) {
+  munmap(a->map, a->size + kHugePage);
+  delete a;
+}
+
+void release(Arena* a) {
+  std::lock_guard<std::mutex> lock(arena_mutex());
+  if (--a->live > 0) return;
+  if (a == arena)
+    a->used = 0;  // empty again: the next weights start at its front
+  else
+    unmap(a);
+}
+
+}  // namespace
+
+at::Tensor weight_zeros(at::IntArrayRef sizes, at::ScalarType dtype) {
+  const auto options = at::TensorOptions().dtype(dtype);
+  size_t bytes = at::elementSize(dtype);
+  for (int64_t n : sizes) bytes *= static_cast<size_t>(n);
+  bytes = (bytes + 63) / 64 * 64;
+  std::lock_guard<std::mutex> lock(arena_mutex());
+  if (arena == nullptr || arena->used + bytes > arena->size) {
+    const size_t size = std::max(kArena, (bytes + kHugePage - 1) / kHugePage * kHugePage);
+    void* map = mmap(nullptr, size + kHugePage, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (map == MAP_FAILED) return at::zeros(sizes, options);
+    if (arena != nullptr && arena->live == 0) unmap(arena);
+    arena = new Arena;
+    arena->map = static_cast<char*>(map);
+    arena->base = arena->map + (-reinterpret_cast<uintptr_t>(map) & (kHugePage - 1));
+    arena->size = size;
+#ifdef MADV_HUGEPAGE
+    madvise(arena->base, size, MADV_HUGEPAGE);
+#endif
+  }
+  Arena* a = arena;
+  char* p = a->base + a->used;
+  a->used += bytes;
+  ++a->live;
+  std::memset(p, 0, bytes);  // also faults the pages in (a reused front holds old weights)
+  return at::from_blob(p, sizes, [a](void*) { release(a); }, options);
+}
+
+}  // namespace minisgl
+
 namespace {
 
 constexpr int kLanes = 16;            // output features per block (one vector of 32-bit lanes)
@@ -92,7 +165,7 @@ at::Tensor pack_pairs(const at::Tensor& w) {
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(K % 2 == 0, "K must be even, got ", K);
   const int64_t NB = (N + kLanes - 1) / kLanes, K2 = K / 2;
-  at::Tensor out = at::zeros({NB, K2, kLanes, 2}, w.options());
+  at::Tensor out = minisgl::weight_zeros({NB, K2, kLanes, 2}, w.scalar_type());
   at::Tensor src = w.contiguous();
   const P* s = static_cast<const P*>(src.const_data_ptr());
   P* d = static_cast<P*>(out.mutable_data_ptr());
@@ -762,6 +835,7 @@ static std::string linear_isa() {
 
 TORCH_LIBRARY_FRAGMENT(minisgl_cpu, m) {
   m.def("linear_isa() -> str", &linear_isa);
+  m.def("weight_zeros(int[] size, ScalarType dtype) -> Tensor", &minisgl::weight_zeros);
   m.def("bf16_pack(Tensor w) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor w, int n) -> Tensor");
   m.def("int8_pack(Tensor w) -> Tensor");

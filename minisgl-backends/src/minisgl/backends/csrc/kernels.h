@@ -37,6 +37,9 @@ std::array<char*, N> scratch(std::vector<char>& keep, at::Tensor& big, const siz
   return pieces;
 }
 
+// A zero-filled tensor for packed weights, in 2 MiB pages where Linux grants them (cpu_linear.cpp).
+at::Tensor weight_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
+
 // y [M, N] = x [M, K] @ w.T (cpu_linear.cpp), x and y contiguous: w packed by bf16_pack
 // (scales null), or by int8_pack with w's per-output scales (int8_linear's arithmetic).
 void linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& packed,
