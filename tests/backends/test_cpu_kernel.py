@@ -359,8 +359,9 @@ def test_int8_linear_bad_inputs_are_refused() -> None:
 
 
 # rows: the GEMV (<= 4 rows in the AVX-512 build, <= 2 in the AVX2 one), one microkernel pass
-# (<= 6 or 4), passes split evenly (7, 13, 21), many passes (from 64 rows the AVX2 build widens
-# the weights to float32 first: 64, 67, 300); the weights: fewer outputs than a block (16), a
+# (<= 6), passes split evenly (7, 13, 21), many passes (from 64 rows the AVX2 build widens the
+# weights to float32 before its microkernel, below converting each line as it loads it: 64, 67,
+# 300); the weights: fewer outputs than a block (16), a
 # tail block, a thread's share not a multiple of the 4-block panel, SmolLM2 shapes, and (4, 64)
 # with 300 rows: too few blocks to split, so the rows are split instead
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 21, 64, 67, 300])
@@ -382,7 +383,7 @@ def test_bf16_linear_matches_float64(rows: int, n: int, k: int) -> None:
     wide = torch.zeros(rows, 2 * k, dtype=torch.bfloat16)
     wide[:, :k] = x
     assert torch.equal(torch.ops.minisgl_cpu.bf16_linear(wide[:, :k], packed, n), got)
-    if rows >= 64:  # the same sums as the microkernel's (13-14 rows at a time) in both builds
+    if rows >= 64:  # the same sums 13-14 rows at a time (AVX2: widened panel vs converting loads)
         parts = [torch.ops.minisgl_cpu.bf16_linear(part, packed, n)
                  for part in torch.tensor_split(x, rows // 13)]
         assert torch.equal(torch.cat(parts), got)

@@ -39,7 +39,8 @@
 // vs 732, 4096 rows 2,759 vs 2,848: as fast as oneDNN when compute-bound, faster when memory- or
 // call-bound, and one layout for both (oneDNN's packed weights were 1.6-1.9x slower at 4-64 rows
 // in the plain layout, so decode and prefill would have needed two copies). The AVX2 build
-// widens each block to float32 once per thread for 64 rows and more (run_wide, below).
+// converts x to float32 once per call from 3 rows on, and from 64 rows each block of w once
+// per thread too (run_f32, below).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -287,6 +288,8 @@ inline void store_halves(__m256 lo, __m256 hi, int64_t n, int64_t N, c10::BFloat
   if (N - n > 8) minisgl_vec::store_bf16(y + n + 8, hi, N - n - 8);
 }
 
+// kMR, kNR: micro<>'s tile, which this build's bf16 no longer runs (beyond the GEMV's 2 rows
+// run_f32, below, takes over); the comparisons there are against it.
 struct Bf16Format {
   static constexpr int kLineBytes = 64, kMR = 4, kNR = 1, kU = 2, kGemvRows = 2, kAhead = 1024;
   struct Acc { Half lo, hi; };
@@ -564,18 +567,24 @@ void split(int64_t M, int64_t NB, int64_t MR, const Fn& fn) {
 
 #if MINISGL_LINEAR_AVX2
 
-// bf16 with many rows (prefill) on AVX2. The microkernel above converts every line it loads
-// (4 ops) and every pair of x it broadcasts (2 ops per row) to float32 next to its 16 FMAs per
-// pair of 4 rows. Here x is converted once per call and each block of the weight once per
-// thread into a float32 panel (per pair of inputs: odd lanes 0-7, 8-15, even lanes 0-7, 8-15,
-// 128 bytes), so that the microkernel is broadcasts from memory and 24 FMAs per pair of 6 rows,
-// in the same order per accumulator (odd, then even product): the same sums as the microkernel
-// above. Measured on AMD Zen 3 (2 threads; the 121 decode weights, the two kernels alternating
-// in one process, 4-8 pairs): 64 rows 0.85-0.92x the time, 128 rows 0.90x, 512 rows 0.98x,
-// 1024 rows 0.89x; at 16-48 rows 1.04-1.11x (the widening not yet paid for), hence kWideRows.
-// From 48 rows on it ran at 125-170 GFLOP/s, as fast as a register-only FMA loop beside it
-// (138-194 GFLOP/s on the host's 2 threads within the hour: its neighbours' load).
-constexpr int kWideMR = 6;
+// bf16 with more rows than the GEMV's on AVX2. The microkernel above converts every line it
+// loads (4 ops) and every pair of x it broadcasts (2 ops per row) to float32 next to its 16 FMAs
+// per pair of 4 rows. Here x is converted to float32 once per call, so that the microkernel
+// (micro_f32) is broadcasts from memory and 24 FMAs per pair of 6 rows, in the same order per
+// accumulator (odd, then even product): the same sums as the microkernel above. Its weights:
+// - up to 63 rows, each line of the bf16 block converted as it is loaded (4 ops per pair for
+//   all the chunk's rows). Measured on AMD Zen 3 (2 threads; the 121 decode weights, the two
+//   kernels alternating in one process, 6-20 pairs, medians and best passes): 3 rows 0.94-0.97x
+//   the time of the microkernel above, 4 rows 0.90-0.96x, 5 rows 0.69-0.72x, 6 rows 0.77-0.80x,
+//   16 rows 0.90-0.96x, 32 rows 0.82-0.96x, 48 rows 0.84-0.98x; against the widened panel below
+//   0.92-1.04x from 48 to 256 rows, 1.0-1.1x at 512 and 1,024;
+// - from kWideRows on, each block widened once per thread into a float32 panel (per pair of
+//   inputs: odd lanes 0-7, 8-15, even lanes 0-7, 8-15, 128 bytes): no conversion in the
+//   microkernel at all. Against the microkernel above: 64 rows 0.85-0.92x the time, 128 rows
+//   0.90x, 512 rows 0.98x, 1024 rows 0.89x. From 48 rows on it ran at 125-170 GFLOP/s, as fast
+//   as a register-only FMA loop beside it (138-194 GFLOP/s on the host's 2 threads within the
+//   hour: its neighbours' load).
+constexpr int kF32MR = 6;
 constexpr int64_t kWideRows = 64;  // from this many rows on
 
 // the K2 lines of a bf16 block (64-byte lines) as float32 (128 bytes per line)
@@ -589,21 +598,33 @@ void widen_block(const char* w, int64_t K2, float* out) {
   }
 }
 
-// y[m .. m + MR) x one block (16 outputs from n) from the widened block wf; x as float32 [M, K].
-// Also prefetches pf_lines (at most K2) 64-byte lines at pf, one per pair (a chunk's share of
-// the next block, as micro), without a branch: with one, GCC 12 kept two copies of the loop and
+// y[m .. m + MR) x one block (16 outputs from n); x as float32 [M, K]. The block is either
+// widened (kPanel: wf, 128 bytes per pair) or still bf16 (the packed block at wb, converted as
+// it is loaded: 4 ops per pair for all MR rows, against 4 + 2 MR in micro<Bf16Format>). Also
+// prefetches pf_lines (at most K2) 64-byte lines at pf, one per pair (a chunk's share of the
+// next block, as micro), without a branch: with one, GCC 12 kept two copies of the loop and
 // stored all 12 accumulators to the stack on every pair of the prefetching one.
-template <int MR>
-void micro_wide(const Args& a, const float* xf, int64_t m, const float* wf, int64_t n,
-                const char* pf, int64_t pf_lines) {
+template <int MR, bool kPanel>
+void micro_f32(const Args& a, const float* xf, int64_t m, const void* w, int64_t n,
+               const char* pf, int64_t pf_lines) {
   Bf16Format::Acc acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = Bf16Format::zero();
   const int64_t K2 = a.K2, K = 2 * K2;
   const float* x = xf + m * K;
+  const float* wf = static_cast<const float*>(w);
+  const char* wb = static_cast<const char*>(w);
+  auto bf16x8 = [&](int64_t p, int half) {  // 8 pairs of lanes: 16 bf16 of line p
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64 + half * 32));
+  };
   const int64_t pf_last = std::max<int64_t>(pf_lines - 1, 0);  // then the last line again
-  for (int64_t p = 0; p < K2; ++p, wf += 32) {
+  for (int64_t p = 0; p < K2; ++p) {
     _mm_prefetch(pf + std::min(p, pf_last) * 64, _MM_HINT_T0);
-    __m256 olo = _mm256_loadu_ps(wf), ohi = _mm256_loadu_ps(wf + 8);
+    __m256 olo, ohi;
+    if constexpr (kPanel) {
+      olo = _mm256_loadu_ps(wf + p * 32), ohi = _mm256_loadu_ps(wf + p * 32 + 8);
+    } else {
+      olo = Bf16Format::odd(bf16x8(p, 0)), ohi = Bf16Format::odd(bf16x8(p, 1));
+    }
     // in registers: else GCC folds the loads into every FMA (36 loads per 24 FMAs, beyond
     // Zen 3's load ports: 1.6x the time at 1,024 rows)
     asm("" : "+x"(olo), "+x"(ohi));
@@ -612,7 +633,12 @@ void micro_wide(const Args& a, const float* xf, int64_t m, const float* wf, int6
       acc[i].lo = _mm256_fmadd_ps(olo, xo, acc[i].lo);
       acc[i].hi = _mm256_fmadd_ps(ohi, xo, acc[i].hi);
     }
-    __m256 elo = _mm256_loadu_ps(wf + 16), ehi = _mm256_loadu_ps(wf + 24);
+    __m256 elo, ehi;
+    if constexpr (kPanel) {
+      elo = _mm256_loadu_ps(wf + p * 32 + 16), ehi = _mm256_loadu_ps(wf + p * 32 + 24);
+    } else {  // the line loaded again (from L1): no registers to keep it in
+      elo = Bf16Format::even(bf16x8(p, 0)), ehi = Bf16Format::even(bf16x8(p, 1));
+    }
     asm("" : "+x"(elo), "+x"(ehi));
     for (int i = 0; i < MR; ++i) {
       const __m256 xe = _mm256_broadcast_ss(x + i * K + 2 * p);
@@ -624,33 +650,42 @@ void micro_wide(const Args& a, const float* xf, int64_t m, const float* wf, int6
   for (int i = 0; i < MR; ++i) store_halves(acc[i].lo, acc[i].hi, n, a.N, a.y + (m + i) * a.N);
 }
 
-using WideFn = void (*)(const Args&, const float*, int64_t, const float*, int64_t, const char*,
-                        int64_t);
-template <int... I>
-constexpr std::array<WideFn, sizeof...(I)> wide_table(std::integer_sequence<int, I...>) {
-  return {&micro_wide<I + 1>...};
+using F32Fn = void (*)(const Args&, const float*, int64_t, const void*, int64_t, const char*,
+                       int64_t);
+template <bool kPanel, int... I>
+constexpr std::array<F32Fn, sizeof...(I)> f32_table(std::integer_sequence<int, I...>) {
+  return {&micro_f32<I + 1, kPanel>...};
 }
 
-// rows m0 .. m1 against blocks b0 .. b1 as rows<> with one-block panels: each block widened
-// once into this thread's panel, the rows in chunks of at most kWideMR, the next block
-// prefetched meanwhile
-void rows_wide(const Args& a, const float* xf, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
-  static constexpr auto kMicro = wide_table(std::make_integer_sequence<int, kWideMR>{});
+// rows m0 .. m1 against blocks b0 .. b1 as rows<> with one-block panels: each block (kPanel:
+// widened once into this thread's panel) against the rows in chunks of at most kF32MR, the
+// next block prefetched meanwhile
+template <bool kPanel>
+void rows_f32(const Args& a, const float* xf, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
+  static constexpr auto kMicro = f32_table<kPanel>(std::make_integer_sequence<int, kF32MR>{});
   thread_local std::vector<char> keep;
   at::Tensor big;
-  const size_t panel_bytes = a.K2 * 32 * sizeof(float);  // widen_block's output
-  auto* panel = reinterpret_cast<float*>(minisgl::scratch(keep, big, {panel_bytes})[0]);
+  float* panel = nullptr;
+  if constexpr (kPanel) {
+    const size_t panel_bytes = a.K2 * 32 * sizeof(float);  // widen_block's output
+    panel = reinterpret_cast<float*>(minisgl::scratch(keep, big, {panel_bytes})[0]);
+  }
   const int64_t bb = a.K2 * Bf16Format::kLineBytes;
   for (int64_t b = b0; b < b1; ++b) {
-    widen_block(a.w + b * bb, a.K2, panel);
-    chunks(a, m0, m1, kWideMR, a.w + (b + 1) * bb, b + 1 < b1 ? bb / 64 : 0,
+    const void* block = a.w + b * bb;
+    if constexpr (kPanel) {
+      widen_block(a.w + b * bb, a.K2, panel);
+      block = panel;
+    }
+    chunks(a, m0, m1, kF32MR, a.w + (b + 1) * bb, b + 1 < b1 ? bb / 64 : 0,
            [&](int64_t m, int64_t mr, const char* pf, int64_t pf_lines, int64_t) {
-             kMicro[mr - 1](a, xf, m, panel, b * kLanes, pf, pf_lines);
+             kMicro[mr - 1](a, xf, m, block, b * kLanes, pf, pf_lines);
            });
   }
 }
 
-void run_wide(const Args& a, int64_t M, int64_t NB) {
+// x converted to float32 once, then rows_f32 on each thread's share
+void run_f32(const Args& a, int64_t M, int64_t NB) {
   const int64_t K = 2 * a.K2;
   thread_local std::vector<char> keep;
   at::Tensor big;
@@ -659,8 +694,11 @@ void run_wide(const Args& a, int64_t M, int64_t NB) {
     const auto* x = reinterpret_cast<const c10::BFloat16*>(a.x);
     for (int64_t i = m0 * K; i < m1 * K; ++i) xf[i] = static_cast<float>(x[i]);
   });
-  split(M, NB, kWideMR, [&](int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
-    rows_wide(a, xf, m0, m1, b0, b1);
+  split(M, NB, kF32MR, [&](int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
+    if (M >= kWideRows)
+      rows_f32<true>(a, xf, m0, m1, b0, b1);
+    else
+      rows_f32<false>(a, xf, m0, m1, b0, b1);
   });
 }
 
@@ -671,7 +709,7 @@ void run(const Args& a, int64_t M, int64_t NB) {
   if (M == 0) return;
 #if MINISGL_LINEAR_AVX2
   if constexpr (std::is_same_v<F, Bf16Format>) {
-    if (M >= kWideRows) return run_wide(a, M, NB);
+    if (M > Bf16Format::kGemvRows) return run_f32(a, M, NB);
   }
 #endif
   split(M, NB, F::kMR, [&](int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
