@@ -3,7 +3,8 @@
 - ``paged_attention`` (cpu_attention.cpp): prefill, extend and decode over the paged KV pool,
   read in place, with or without a sliding window, for bf16.
 - ``bf16_pack`` / ``bf16_linear`` (cpu_linear.cpp): bf16 weights in the kernel's own blocked
-  layout and the matmul over it, for any number of rows; ``load()`` registers them with
+  layout (in memory from ``weight_zeros``: 2 MiB-aligned arenas madvised for transparent huge
+  pages) and the matmul over it, for any number of rows; ``load()`` registers them with
   ``minisgl.core.layers.quant.register_bf16_linear``, so weights converted afterwards (the
   engine builds the attention backend first) use them in place of oneDNN.
 - ``int8_pack`` / ``int8_linear`` (cpu_linear.cpp): weight-only int8 in the same blocked layout,
