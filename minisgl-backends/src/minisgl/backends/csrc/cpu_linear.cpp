@@ -672,9 +672,10 @@ void rows_f32(const Args& a, const float* xf, int64_t m0, int64_t m1, int64_t b0
   }
   const int64_t bb = a.K2 * Bf16Format::kLineBytes;
   for (int64_t b = b0; b < b1; ++b) {
-    const void* block = a.w + b * bb;
+    const char* wb = a.w + b * bb;
+    const void* block = wb;
     if constexpr (kPanel) {
-      widen_block(a.w + b * bb, a.K2, panel);
+      widen_block(wb, a.K2, panel);
       block = panel;
     }
     chunks(a, m0, m1, kF32MR, a.w + (b + 1) * bb, b + 1 < b1 ? bb / 64 : 0,
