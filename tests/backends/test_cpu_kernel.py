@@ -78,6 +78,9 @@ CASES = {
     "decode-1": [(1, 1)],
     "decode-long": [(1, 700)],  # split over threads (split-K) and merged
     "decode-batch": [(1, 17), (1, 5), (1, 77), (1, 16), (1, 32), (1, 33)],
+    # enough requests that none is split: each runs its 1,300 / 1,030 keys in chunks (AVX2)
+    "decode-chunks": [(1, 1300), (1, 1030), (1, 600), (1, 513), (1, 1300), (1, 3), (1, 1024),
+                      (1, 2)],
     "prefill": [(5, 5), (40, 40), (17, 17)],
     "extend": [(64, 300), (3, 70), (1, 33)],  # queries after a cached prefix
     "mixed": [(33, 100), (1, 64), (16, 16)],

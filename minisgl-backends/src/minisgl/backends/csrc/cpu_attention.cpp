@@ -19,7 +19,8 @@
 // form groups: one item runs the shared keys for the queries of up to 16 of them, each request
 // runs its own keys after, and the parts merge as in split-K (not with a window: every request
 // sees keys of its own range). The AVX2 build (no bf16 dot product) runs the same items and
-// blocks in float32: K widened once per block, P not rounded (see run_item there).
+// blocks in float32: K widened once per block, P not rounded (see run_item there), except
+// that an item of one decode query runs two passes over its keys instead (run_decode).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -375,12 +376,195 @@ inline void qk_dispatch(int nr, const float* const* q, const F16* kt, int64_t D,
   }
 }
 
+// Decode items. The G rows of a single query all see every key of the item's range [k0, k1)
+// (a window included), and a block's transpose and online softmax are paid for G rows only (3
+// for SmolLM2): so such an item runs two passes per chunk of up to kChunk keys instead. The
+// scores of up to 3 rows against 4 keys at a time, each key's bf16 line widened as it is loaded
+// (the even and the odd dims of its pairs; the queries are kept in that order) and the 4 sums
+// gathered by horizontal adds; one softmax over the chunk (merged online with the chunks
+// before); then O += P V with 12 accumulators (3 rows x 32 dims). 16 decode requests x 160
+// keys: 0.72-0.81x the time of the blocks (docs/benchmarks.md, twentieth sitting).
+constexpr int64_t kChunk = 512;  // keys per chunk: scores [G][kChunk] stay in L1
+constexpr int64_t kAhead = 32;   // rows prefetched ahead in the chunk's K then V stream
+
+// The even and the odd dims of 8 bf16 pairs, as float32.
+inline void widen_pairs(__m256i x, __m256& even, __m256& odd) {
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
+// A K or V row (D bf16) into L1.
+inline void prefetch_row(const uint16_t* row, int64_t D) {
+  for (int64_t off = 0; off < D; off += 32) __builtin_prefetch(row + off, 0, 3);
+}
+
+// out[r * ld + j] = q_r . k_j for NR rows (qp: [NR][D], per 16 dims the 8 even then the 8 odd)
+// and the 4 keys kr[0 .. 3].
+template <int NR>
+inline void dot4(const float* qp, int64_t D, const uint16_t* const* kr, float* out, int64_t ld) {
+  __m256 acc[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 16)
+    for (int j = 0; j < 4; ++j) {
+      __m256 e, o;
+      widen_pairs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kr[j] + c)), e, o);
+      for (int r = 0; r < NR; ++r) {
+        acc[r][j] = _mm256_fmadd_ps(e, _mm256_loadu_ps(qp + r * D + c), acc[r][j]);
+        acc[r][j] = _mm256_fmadd_ps(o, _mm256_loadu_ps(qp + r * D + c + 8), acc[r][j]);
+      }
+    }
+  for (int r = 0; r < NR; ++r) {  // lanes: sums of keys 0-3 over dims 0-3 | 4-7, then added
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]),
+                                    _mm256_hadd_ps(acc[r][2], acc[r][3]));
+    _mm_storeu_ps(out + r * ld, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+}
+
+// A broadcast of *p that the compiler does not merge with an earlier one of the same address
+// (it would keep that in a register that an accumulator then loses to the stack).
+inline __m256 broadcast_again(const float* p) {
+  asm volatile("" : "+r"(p));
+  return _mm256_broadcast_ss(p);
+}
+
+// O[r] (pair order, [D]) += sum over keys j < n of p[r * ld + j] v_j, for NR rows, 32 dims at a
+// time. Prefetches: V rows kAhead ahead, then (the last 32 dims) the K rows that follow.
+template <int NR>
+inline void pv_rows(const float* p, int64_t ld, const uint16_t* const* vr, int64_t n, int64_t D,
+                    const uint16_t* const* next_k, int64_t next_n, float* O) {
+  for (int64_t c = 0; c < D; c += 32) {
+    __m256 acc[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_loadu_ps(O + r * D + c + 8 * i);
+    const bool last = c + 32 == D;
+    for (int64_t j = 0; j < n; ++j) {
+      if (j + kAhead < n) {
+        __builtin_prefetch(vr[j + kAhead] + c, 0, 3);
+      } else if (last && j + kAhead - n < next_n) {
+        prefetch_row(next_k[j + kAhead - n], D);
+      }
+      for (int half = 0; half < 2; ++half) {  // 16 dims at a time: 12 + 2 + 1 registers
+        __m256 e, o;
+        widen_pairs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr[j] + c + 16 * half)),
+                    e, o);
+        for (int r = 0; r < NR; ++r) {
+          const __m256 b = broadcast_again(p + r * ld + j);
+          acc[r][2 * half] = _mm256_fmadd_ps(b, e, acc[r][2 * half]);
+          acc[r][2 * half + 1] = _mm256_fmadd_ps(b, o, acc[r][2 * half + 1]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(O + r * D + c + 8 * i, acc[r][i]);
+  }
+}
+
+// A decode item (nq = 1, not a shared-prefix item): O [G, D] natural order, m, l as run_item.
+void run_decode(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
+                const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t qrow0,
+                int64_t H, int64_t S, int64_t G, int64_t D, float scale, float* O, float* m,
+                float* l) {
+  constexpr int64_t ld = kChunk + 8;
+  alignas(32) static thread_local float sc[8 * ld];   // scores, then P: [G][ld]
+  alignas(32) static thread_local float op[8 * MAXD];  // O in pair order: [G][D]
+  alignas(32) static thread_local float qp[8 * MAXD];  // the rows' queries in pair order
+  alignas(64) static const uint16_t zero_row[MAXD] = {};
+  static thread_local const uint16_t* kr[kChunk + 4];
+  static thread_local const uint16_t* vr[kChunk + 4];
+  const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * D;
+  const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * D;
+  const int64_t* srow = slots + it.b * Lk;
+  for (int64_t j = it.k0; j < std::min(it.k1, it.k0 + kAhead); ++j) prefetch_row(kh + srow[j] * D, D);
+  const uint16_t* qh = reinterpret_cast<const uint16_t*>(q) + ((qrow0 + it.q0) * H + it.h * G) * D;
+  for (int64_t i = 0; i < G * D; i += 16) {  // the G heads' queries lie back to back
+    __m256 e, o;
+    widen_pairs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + i)), e, o);
+    _mm256_store_ps(qp + i, e);
+    _mm256_store_ps(qp + i + 8, o);
+  }
+  std::fill(op, op + G * D, 0.f);
+  for (int64_t g = 0; g < G; ++g) m[g] = NEG_INF, l[g] = 0.f;
+  for (int64_t a = it.k0; a < it.k1; a += kChunk) {
+    const int64_t n = std::min(kChunk, it.k1 - a), n4 = (n + 3) / 4 * 4, n8 = (n + 7) / 8 * 8;
+    for (int64_t j = 0; j < n4; ++j) {
+      kr[j] = j < n ? kh + srow[a + j] * D : zero_row;
+      vr[j] = j < n ? vh + srow[a + j] * D : zero_row;
+    }
+    // this chunk's K rows, then its V rows, kAhead ahead of use
+    for (int64_t j = 0; j < n4; j += 4) {
+      for (int64_t t = j + kAhead; t < std::min(j + kAhead + 4, 2 * n); ++t)
+        prefetch_row(t < n ? kr[t] : vr[t - n], D);
+      for (int64_t r0 = 0; r0 < G; r0 += 3) {
+        float* out = sc + r0 * ld + j;
+        switch (std::min<int64_t>(3, G - r0)) {
+          case 1: dot4<1>(qp + r0 * D, D, kr + j, out, ld); break;
+          case 2: dot4<2>(qp + r0 * D, D, kr + j, out, ld); break;
+          default: dot4<3>(qp + r0 * D, D, kr + j, out, ld);
+        }
+      }
+    }
+    // softmax over the chunk, merged with the chunks before
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t g = 0; g < G; ++g) {
+      float* s = sc + g * ld;
+      for (int64_t j = n; j < n8; ++j) s[j] = NEG_INF;
+      __m256 vmax = _mm256_set1_ps(NEG_INF);
+      for (int64_t j = 0; j < n8; j += 8) {
+        const __m256 x = _mm256_mul_ps(_mm256_load_ps(s + j), vscale);
+        _mm256_store_ps(s + j, x);
+        vmax = _mm256_max_ps(vmax, x);
+      }
+      const float mx = std::max(m[g], minisgl_vec::hmax8(vmax));
+      const __m256 vmx = _mm256_set1_ps(mx);
+      __m256 vsum = _mm256_setzero_ps();
+      for (int64_t j = 0; j < n8; j += 8) {
+        const __m256 e = minisgl_vec::exp8(_mm256_sub_ps(_mm256_load_ps(s + j), vmx));
+        _mm256_store_ps(s + j, e);
+        if (j + 8 <= n) vsum = _mm256_add_ps(vsum, e);
+      }
+      for (int64_t j = n; j < n8; ++j) s[j] = 0.f;
+      float sum = minisgl_vec::hsum8(vsum);
+      for (int64_t j = n / 8 * 8; j < n; ++j) sum += s[j];
+      const float corr = m[g] == NEG_INF ? 0.f : std::exp(m[g] - mx);
+      if (corr != 1.f)
+        for (int64_t d = 0; d < D; ++d) op[g * D + d] *= corr;
+      l[g] = l[g] * corr + sum;
+      m[g] = mx;
+    }
+    // O += P V; meanwhile the next chunk's first K rows
+    const int64_t next_n = std::min(kAhead, it.k1 - a - n);
+    const uint16_t* next_k[kAhead];
+    for (int64_t t = 0; t < next_n; ++t) next_k[t] = kh + srow[a + n + t] * D;
+    for (int64_t r0 = 0; r0 < G; r0 += 3) {
+      const float* p = sc + r0 * ld;
+      switch (std::min<int64_t>(3, G - r0)) {
+        case 1: pv_rows<1>(p, ld, vr, n, D, next_k, next_n, op + r0 * D); break;
+        case 2: pv_rows<2>(p, ld, vr, n, D, next_k, next_n, op + r0 * D); break;
+        default: pv_rows<3>(p, ld, vr, n, D, next_k, next_n, op + r0 * D);
+      }
+    }
+  }
+  // pair order back to the natural one: dims 16c + 2i, 16c + 2i + 1 are lanes i of the even and
+  // the odd vector
+  for (int64_t i = 0; i < G * D; i += 16) {
+    const __m256 e = _mm256_load_ps(op + i), o = _mm256_load_ps(op + i + 8);
+    const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);
+    _mm256_storeu_ps(O + i, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(O + i + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+}
+
 // One work item, as the AVX-512 one; O float32 [R, D] in the natural dim order.
 void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
               const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
               int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
               int64_t S, int64_t G, int64_t D, float scale, int64_t window, float* O, float* m,
               float* l) {
+  if (it.nq == 1 && it.mn == 0) {  // one query: its rows see all of [k0, k1)
+    run_decode(it, q, k, v, slots, Lk, qrow0, H, S, G, D, scale, O, m, l);
+    return;
+  }
   const int64_t R = it.nq * G;
   alignas(32) static thread_local F16 kt[MAXD];
   alignas(32) static thread_local float pb[QB * 8][KB];  // P of each row
