@@ -100,15 +100,20 @@ inline bool row_lanes(int64_t low, int64_t lim, int64_t kb, int nk, int64_t& hid
   return hidden < visible;
 }
 
-// Prefetch the K and V rows of keys [j0, j1) (their slots in srow); Locality 3: into L1, 1: L2.
+// Prefetch a K or V row (D bf16); Locality 3: into L1, 1: L2.
+template <int Locality = 3>
+inline void prefetch_row(const uint16_t* row, int64_t D) {
+  for (int64_t off = 0; off < D; off += 32) __builtin_prefetch(row + off, 0, Locality);
+}
+
+// ... the K and V rows of keys [j0, j1) (their slots in srow).
 template <int Locality>
 inline void prefetch_rows(const uint16_t* kh, const uint16_t* vh, const int64_t* srow,
                           int64_t j0, int64_t j1, int64_t D) {
-  for (int64_t j = j0; j < j1; ++j)
-    for (int64_t off = 0; off < D; off += 32) {
-      __builtin_prefetch(kh + srow[j] * D + off, 0, Locality);
-      __builtin_prefetch(vh + srow[j] * D + off, 0, Locality);
-    }
+  for (int64_t j = j0; j < j1; ++j) {
+    prefetch_row<Locality>(kh + srow[j] * D, D);
+    prefetch_row<Locality>(vh + srow[j] * D, D);
+  }
 }
 
 // The K and V rows of the block of keys kb .. kb + nk - 1 (null past nk), and prefetches.
@@ -338,9 +343,9 @@ inline void transpose8(__m256i* r) {
   }
 }
 
-// Scores of NR rows against one key block: out[r] lane j = q_r . k_j. Decode items have few
-// rows (G, 3 for SmolLM2): two chains per half and row then (an FMA waits for the previous one
-// on its accumulator); 12 accumulators either way.
+// Scores of NR rows against one key block: out[r] lane j = q_r . k_j. With few rows (the last
+// group of an item's rows; decode items run run_decode) two chains per half and row (an FMA
+// waits for the previous one on its accumulator); 12 accumulators either way.
 template <int NR>
 inline void qk_rows(const float* const* q, const F16* kt, int64_t D, F16* out) {
   constexpr int U = NR <= 3 ? 2 : 1;
@@ -391,11 +396,6 @@ constexpr int64_t kAhead = 32;   // rows prefetched ahead in the chunk's K then 
 inline void widen_pairs(__m256i x, __m256& even, __m256& odd) {
   even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
   odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(int(0xFFFF0000u))));
-}
-
-// A K or V row (D bf16) into L1.
-inline void prefetch_row(const uint16_t* row, int64_t D) {
-  for (int64_t off = 0; off < D; off += 32) __builtin_prefetch(row + off, 0, 3);
 }
 
 // out[r * ld + j] = q_r . k_j for NR rows (qp: [NR][D], per 16 dims the 8 even then the 8 odd)
