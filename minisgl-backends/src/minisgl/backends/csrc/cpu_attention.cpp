@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -460,6 +461,19 @@ inline void pv_rows(const float* p, int64_t ld, const uint16_t* const* vr, int64
   }
 }
 
+// fn(std::integral_constant<int, NR>{}, r0) for G rows in groups of NR = 3 (the last 1 or 2):
+// the register tiles of dot4 and pv_rows
+template <class Fn>
+inline void row_groups(int64_t G, const Fn& fn) {
+  for (int64_t r0 = 0; r0 < G; r0 += 3) {
+    switch (std::min<int64_t>(3, G - r0)) {
+      case 1: fn(std::integral_constant<int, 1>{}, r0); break;
+      case 2: fn(std::integral_constant<int, 2>{}, r0); break;
+      default: fn(std::integral_constant<int, 3>{}, r0);
+    }
+  }
+}
+
 // A decode item (nq = 1, not a shared-prefix item): O [G, D] natural order, m, l as run_item.
 void run_decode(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
                 const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t qrow0,
@@ -495,14 +509,9 @@ void run_decode(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     for (int64_t j = 0; j < n4; j += 4) {
       for (int64_t t = j + kAhead; t < std::min(j + kAhead + 4, 2 * n); ++t)
         prefetch_row(t < n ? kr[t] : vr[t - n], D);
-      for (int64_t r0 = 0; r0 < G; r0 += 3) {
-        float* out = sc + r0 * ld + j;
-        switch (std::min<int64_t>(3, G - r0)) {
-          case 1: dot4<1>(qp + r0 * D, D, kr + j, out, ld); break;
-          case 2: dot4<2>(qp + r0 * D, D, kr + j, out, ld); break;
-          default: dot4<3>(qp + r0 * D, D, kr + j, out, ld);
-        }
-      }
+      row_groups(G, [&](auto nr, int64_t r0) {
+        dot4<decltype(nr)::value>(qp + r0 * D, D, kr + j, sc + r0 * ld + j, ld);
+      });
     }
     // softmax over the chunk, merged with the chunks before
     const __m256 vscale = _mm256_set1_ps(scale);
@@ -536,14 +545,9 @@ void run_decode(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     const int64_t next_n = std::min(kAhead, it.k1 - a - n);
     const uint16_t* next_k[kAhead];
     for (int64_t t = 0; t < next_n; ++t) next_k[t] = kh + srow[a + n + t] * D;
-    for (int64_t r0 = 0; r0 < G; r0 += 3) {
-      const float* p = sc + r0 * ld;
-      switch (std::min<int64_t>(3, G - r0)) {
-        case 1: pv_rows<1>(p, ld, vr, n, D, next_k, next_n, op + r0 * D); break;
-        case 2: pv_rows<2>(p, ld, vr, n, D, next_k, next_n, op + r0 * D); break;
-        default: pv_rows<3>(p, ld, vr, n, D, next_k, next_n, op + r0 * D);
-      }
-    }
+    row_groups(G, [&](auto nr, int64_t r0) {
+      pv_rows<decltype(nr)::value>(sc + r0 * ld, ld, vr, n, D, next_k, next_n, op + r0 * D);
+    });
   }
   // pair order back to the natural one: dims 16c + 2i, 16c + 2i + 1 are lanes i of the even and
   // the odd vector
