@@ -10,7 +10,10 @@ process + cache) and prepacking.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -214,6 +217,64 @@ def test_background_compile_serves_eager_then_compiled(tiny_dirs: dict,
     assert counters["inductor"]["fxgraph_cache_hit"] > hits
     assert llm.generate(prompts, greedy(16))[0].token_ids == before
     llm.close()
+
+
+def test_worker_announced_graphs_load_one_by_one(tiny_dirs: dict, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile='on': each graph the compile worker announces is loaded while the worker goes on
+    (a stand-in worker here: it announces decode 1-1, waits for the test, then dies); a graph it
+    never announced stays eager, its exit status and last stderr line as the reason."""
+    from minisgl.core import compile as compile_mod
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    go = tmp_path / "go"
+    script = (f"import os, sys, time\n"
+              f"print('warming up')\n"
+              f"print('{compile_mod.READY_LINE} decode 1 1', flush=True)\n"
+              f"t = time.time()\n"
+              f"while not os.path.exists({str(go)!r}) and time.time() - t < 300:\n"
+              f"    time.sleep(0.05)\n"
+              f"sys.stderr.write('compiling decode 2-4\\nout of luck\\n')\n"
+              f"sys.exit(3)\n")
+    real_popen = subprocess.Popen
+    argvs: list[list[str]] = []
+
+    def stand_in(argv: list[str], **kw: object) -> subprocess.Popen:  # type: ignore[type-arg]
+        if list(argv[1:3]) == ["-m", "minisgl.core.compile"]:  # (Inductor runs processes too)
+            argvs.append(argv)
+            argv = [sys.executable, "-c", script]
+        return real_popen(argv, **kw)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(compile_mod.subprocess, "Popen", stand_in)
+    path = tiny_dirs["llama-gqa-untied-llama3"]
+    prompts = make_prompts([7, 20], VOCAB, seed=4)
+    llm = LLM(str(path), dtype="float32", compile="on", max_running_requests=4)
+    try:
+        graphs = llm.engine.graphs
+        assert graphs is not None and graphs._thread is not None
+        deadline = time.monotonic() + 300
+        while ("decode", 1, 1) not in graphs.ready and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # in use while the worker still runs (it waits for `go`)
+        assert graphs.ready == {("decode", 1, 1)} and graphs._thread.is_alive(), graphs.describe()
+        assert len(argvs) == 1
+        one = llm.generate(prompts[:1], greedy(10))[0].token_ids
+        assert graphs.steps[("decode", 1, 1)] >= 9
+        go.touch()
+        graphs.join(timeout=60)
+        assert not graphs._thread.is_alive()
+        assert graphs.ready == {("decode", 1, 1)}
+        assert set(graphs.failed) == {("decode", 2, 4)}
+        assert graphs.failed[("decode", 2, 4)] == "compile worker exited with 3: out of luck"
+        both = [o.token_ids for o in llm.generate(prompts, greedy(10))]  # 2-4: eager
+    finally:
+        go.touch()
+        llm.close()
+    monkeypatch.undo()
+    eager = LLM(str(path), dtype="float32", compile="off", max_running_requests=4)
+    assert [one, *both[1:]] == [o.token_ids for o in eager.generate(prompts, greedy(10))]
+    assert both[0] == one
+    eager.close()
 
 
 def test_prepacked_linear_equals_f_linear() -> None:

@@ -17,8 +17,10 @@ GIL: on a thread of the serving process it would stall every eager step. So:
 
 * ``on``: a worker process (``python -m minisgl.core.compile``, the same engine config with a
   tiny KV pool, nice 10, killed with its parent) compiles every bucket into Inductor's on-disk
-  cache; then a background thread of the engine loads them from there (~7 s per bucket). Steps
-  run eager until their bucket is ready, and stay eager where compilation failed (logged);
+  cache and announces each one it finished; a background thread of the engine loads each from
+  there as it is announced (~3-7 s per bucket: cache hits), while the worker goes on with the
+  next. Steps run eager until their bucket is ready, and stay eager where compilation failed
+  (logged);
 * ``wait``: compile every bucket in-process before the engine serves (benchmarks, tests);
 * ``off``: never compile. ``auto`` = ``on`` on CPUs (every tensor-parallel rank: each compiles
   its own graphs, their collectives are ops bound to the rank's group, see distributed.py),
@@ -35,6 +37,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -53,6 +56,8 @@ SMALL_BATCH_MAX = 32  # bucket boundary; also ATen's int8 matmul row limit (one 
 DUMMY_KV_LEN = 96  # keys per request in the warm-up batch: any value > 1, unlike any batch size
 
 WORKER_NUM_PAGES = 37  # the compile worker's KV pool: tiny, and a size no other dim has
+READY_LINE = "minisgl-graph-ready"  # the worker's stdout: "<READY_LINE> <phase> <lo> <hi>"
+_announce = False  # set in the compile worker: print READY_LINE for each graph compiled
 # (tensor, dim, kind): kind "batch" = the number of requests, "kv" = keys per request,
 # "tokens" = new tokens in a prefill step, "rows" = its sampled rows, "pool" = slots in the KV
 # pool
@@ -209,6 +214,8 @@ class StepGraphs:
         self.compile_seconds[key] = time.perf_counter() - start
         self.ready.add(key)
         log.info("%s graph for batch %s-%s ready (%.1f s)", *key, self.compile_seconds[key])
+        if _announce:
+            print(READY_LINE, *key, flush=True)
 
     def describe(self) -> str:
         """One line: each graph's state and compile time."""
@@ -223,28 +230,44 @@ class StepGraphs:
         for k in self.keys:
             self.compile_one(k)
 
-    def _run_worker(self) -> bool:
-        """The compile worker fills the on-disk cache; False (all buckets failed) if it fails."""
+    def _run_worker(self) -> None:
+        """The compile worker fills the on-disk cache, one graph after the other; each graph it
+        announces is loaded here meanwhile (a cache hit), so that graphs come into use one by
+        one, and a warm cache is walked by the two processes side by side, not one after the
+        other (SmolLM2's five graphs on 2 cores, warm cache: all ready ~40 s after start, the
+        batch-1 decode graph after 17 s; 56-63 s and 37 s when the engine waited for the worker
+        to exit, then loaded them all). Graphs the worker did not announce (it failed on them,
+        or exited) stay eager."""
         assert self._worker_config is not None
         cfg = dict(self._worker_config, compile="wait", num_pages=WORKER_NUM_PAGES)
         argv = [sys.executable, "-m", "minisgl.core.compile", json.dumps(cfg),
                 str(torch.get_num_threads())]
-        proc = subprocess.Popen(argv,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        atexit.register(_kill, proc)
-        _, err = proc.communicate()
-        if proc.returncode == 0:
-            return True
-        why = (err.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
-        for k in self.keys:
+        # stderr to a file: a pipe nobody reads while stdout is followed could fill and stall it
+        with tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err)
+            atexit.register(_kill, proc)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                parts = line.decode(errors="replace").split()
+                if len(parts) == 4 and parts[0] == READY_LINE:
+                    key = (parts[1], int(parts[2]), int(parts[3]))
+                    if key in self._compiled and key not in self.ready:
+                        self.compile_one(key)
+            proc.wait()
+            err.seek(0)
+            why = (err.read().decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+        missing = [k for k in self.keys if k not in self.ready and k not in self.failed]
+        for k in missing:
             self.failed[k] = f"compile worker exited with {proc.returncode}: {why}"
-        log.warning("compile worker failed (exit %s); the engine runs eager: %s",
-                    proc.returncode, why)
-        return False
+        if missing:
+            log.warning("compile worker exited with %s without %s; they run eager: %s",
+                        proc.returncode, ", ".join(f"{k[0]} {k[1]}-{k[2]}" for k in missing), why)
 
     def _background(self) -> None:
-        if self._worker_config is None or self._run_worker():
-            self.compile_all()  # cache hits after the worker
+        if self._worker_config is None:
+            self.compile_all()
+        else:
+            self._run_worker()
 
     def start(self, wait: bool) -> None:
         if wait:
@@ -295,11 +318,15 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
 def _worker_main(config_json: str, threads: str) -> int:
     """``python -m minisgl.core.compile CONFIG``: build the engine (compile='wait'), which
     compiles every graph into the on-disk cache, then exit."""
+    from minisgl.core import compile as graphs_module
     from minisgl.core.config import EngineConfig
     from minisgl.core.engine import Engine
     from minisgl.core.tp import die_with_parent
 
     die_with_parent()
+    # each graph compiled, on stdout: the serving process loads it then. Set on the module the
+    # engine imports: under -m this file also runs as __main__, another copy of it
+    graphs_module._announce = True
     # Below the serving process in the CPU scheduler: on 2 cores an equal-priority compiler
     # slowed eager steps 4x (measured). The serving process's thread count, though: Inductor's
     # generated code, and so its cache key, depend on it.
