@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -38,6 +40,9 @@ def _cpu_flags() -> set[str]:
 
 
 HAS_AVX512_BF16 = {"avx512_bf16", "avx512_vnni", "avx512bw"} <= _cpu_flags()
+# AMX tiles: the AVX-512 build's linears use them where Linux grants them (5.16 on)
+HAS_AMX = HAS_AVX512_BF16 and {"amx_tile", "amx_bf16", "amx_int8"} <= _cpu_flags() \
+    and os.environ.get("MINISGL_AMX", "on").lower() not in ("0", "off", "false", "no")
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.enabled() or not {"avx2", "fma"} <= _cpu_flags(),
     reason="MINISGL_CPU_KERNELS=off or no AVX2 with FMA on this CPU")
@@ -45,10 +50,12 @@ pytestmark = pytest.mark.skipif(
 
 def test_kernel_builds_and_loads() -> None:
     """With a compiler (this project's CI) the kernels must be there, all of them: the AVX2
-    build on a CPU with AVX2 and FMA, the AVX-512 one on a CPU with AVX512-BF16."""
+    build on a CPU with AVX2 and FMA, the AVX-512 one on a CPU with AVX512-BF16, with AMX
+    tiles where the CPU has them."""
     assert cpu_kernels.load(), cpu_kernels.load_error
     ops = torch.ops.minisgl_cpu
-    assert ops.linear_isa() == ("avx512" if HAS_AVX512_BF16 else "avx2")
+    assert ops.linear_isa() == ("avx512+amx" if HAS_AMX else "avx512" if HAS_AVX512_BF16
+                                else "avx2")
     assert ops.available()
     assert cpu_kernels.supports(torch.bfloat16, 9, 3, 64)
 
@@ -289,6 +296,21 @@ def test_int8_linear_matches_float64(rows: int, n: int, k: int) -> None:
     wide = torch.zeros(rows, 2 * k, dtype=torch.bfloat16)
     wide[:, :k] = x
     assert torch.equal(ops.int8_linear(wide[:, :k], packed, s, n), got)  # a strided x
+    if rows > 8:  # the same integer sums row by row (from 12 rows on AMX tiles where they run)
+        assert torch.equal(torch.cat([ops.int8_linear(r, packed, s, n) for r in x.split(1)]), got)
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="no AMX tiles here (or MINISGL_AMX=off)")
+def test_linears_without_amx_match_float64_too() -> None:
+    """Where AMX runs, the linear tests again with MINISGL_AMX=off (a fresh process: the choice
+    is made once), so that the vector kernels that CPUs without tiles run stay tested here."""
+    env = {**os.environ, "MINISGL_AMX": "off"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+         "linear_matches_float64 or builds_and_loads or misaligned"], env=env,
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout
 
 
 def test_int8_linear_in_quant_uses_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

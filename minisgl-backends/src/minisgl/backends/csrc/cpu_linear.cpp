@@ -83,6 +83,16 @@
 #define MINISGL_LINEAR_AVX2 0
 #endif
 #define MINISGL_LINEAR_ANY (MINISGL_LINEAR_FAST || MINISGL_LINEAR_AVX2)
+// AMX (Intel since Sapphire Rapids): tile multiplies for many rows, in the AVX-512 build
+#if MINISGL_LINEAR_FAST && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define MINISGL_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#else
+#define MINISGL_AMX 0
+#endif
 
 // --- where packed weights live --------------------------------------------------------------
 // A decode step streams every weight once from DRAM. In 4 KiB pages that stream takes a TLB
@@ -705,9 +715,274 @@ void run_f32(const Args& a, int64_t M, int64_t NB) {
 
 #endif  // MINISGL_LINEAR_AVX2
 
+#if MINISGL_AMX
+
+// --- AMX: tile multiplies -------------------------------------------------------------------
+// A tile holds up to 16 rows of 64 bytes; eight of them. bf16: tdpbf16ps multiplies a tile of
+// x (16 rows x 32 inputs) with a tile of w (16 pairs of inputs x 16 output features, as pairs:
+// exactly 16 consecutive lines of a packed block, 64 bytes apart, read in place) into 16 x 16
+// float32 sums: 8,192 multiply-adds per instruction against 32 for a 512-bit vdpbf16ps. Four
+// sums at a time (32 rows x 2 blocks), two tiles of x and two of w per step of 32 inputs.
+// int8: the same integer sums as the VNNI kernels, exactly. The int16 x of a row (|q| <= 8191)
+// is split into a signed high byte and an unsigned low byte, q = 256 hi + lo; tdpbssd (signed
+// x signed) and tdpbusd (unsigned x signed) multiply 64 inputs at a time with w's int8 in
+// quads (4 consecutive inputs per output feature: two lines of a packed block interleaved, one
+// permute per 64 bytes, into a panel per thread), and 256 sum_hi + sum_lo is sum q w in int32.
+// Four sums (16 rows x 2 blocks x high, low), x's two bytes and two tiles of w per 64 inputs.
+//
+// Linux lends AMX's tile registers to a process that asks once (arch_prctl
+// ARCH_REQ_XCOMP_PERM, XTILEDATA); where it refuses, or MINISGL_AMX=off, the vector kernels run.
+constexpr int64_t kTileRows = 16;
+
+// From how many rows of x on the tiles run, measured on a decode step's 120 SmolLM2 layer
+// weights (2 threads of an Intel CPU with AMX, ~40 GB/s plain read; medians, two or three
+// alternating runs). bf16 (212 MB): always; 1 row 6.1-6.3 ms against 8.1-8.4 in the GEMV, 5
+// rows 5.6-6.0 vs 7.7-7.8 (the microkernel), 16 rows 7.0-9.4 vs 19.5-20.3, 1,024 rows 120-126
+// ms (~1.8 TFLOP/s) vs 1,080 (~200). int8 (106 MB): from 12 rows, where the quads (~1.3 ms a
+// step) stop costing more than the VNNI kernels save: 1 row 5.2-5.3 vs 3.8-4.3, 8 rows
+// 5.4-5.6 vs 4.8-4.9, 12 rows 5.6-5.8 vs 6.1-6.2, 16 rows 5.9-6.2 vs 7.8-7.9, 64 rows 11.1-12.2
+// vs 26.0-26.2, 1,024 rows 139-140 vs 388-389.
+template <class F>
+constexpr int64_t amx_rows_from() {
+  return std::is_same_v<F, Int8Format> ? 12 : 1;
+}
+
+bool amx_usable() {
+  static const bool ok = [] {
+    const char* env = std::getenv("MINISGL_AMX");
+    if (env != nullptr) {
+      const std::string v(env);
+      if (v == "0" || v == "off" || v == "false" || v == "no") return false;
+    }
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // <asm/prctl.h>, the XSAVE feature
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// inputs per tile step: 32 bf16 (16 pairs) or 64 int8 (16 quads)
+template <class F>
+constexpr int64_t amx_step() {
+  return std::is_same_v<F, Int8Format> ? 64 : 32;
+}
+
+template <class F>
+bool amx_applies(int64_t M, int64_t K) {
+  return M >= amx_rows_from<F>() && K % amx_step<F>() == 0 && amx_usable();
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// every tile 16 rows x 64 bytes. The configuration is per thread: each thread loads it, and
+// releases the tiles after.
+inline void amx_begin() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.rows[t] = kTileRows, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+// y rows m .. m + rows, outputs n .. n + 15 (fewer at N), from 16 x 16 sums stored from a tile
+// (int8: hi and lo, 256 hi + lo, times sx and sw as Int8Format::finish). (The tile intrinsics
+// take their tile's number as a literal: GCC's are macros that paste it into the instruction.)
+inline void amx_store(const Args& a, int64_t m, int64_t rows, int64_t n, const float* c,
+                      const int32_t* hi = nullptr) {
+  const __mmask16 mask = n + kLanes <= a.N ? __mmask16(0xFFFF)
+                                           : static_cast<__mmask16>((1u << (a.N - n)) - 1);
+  for (int64_t i = 0; i < rows; ++i) {
+    __m512 v = _mm512_load_ps(c + i * 16);
+    if (hi != nullptr) {
+      const __m512i sum = _mm512_add_epi32(
+          _mm512_slli_epi32(_mm512_load_si512(hi + i * 16), 8), _mm512_castps_si512(v));
+      v = Int8Format::finish(_mm512_castsi512_ps(sum), a.sx + m + i, a.sw + n, mask);
+    }
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    _mm256_mask_storeu_epi16(a.y + (m + i) * a.N + n, mask, h);
+  }
+}
+
+// bf16: x rows m .. m + 16 RT (RT = 1, 2 tiles of rows; `x` the first row of the group, `ld`
+// bytes between rows) against NT = 1, 2 blocks (`w0`, `w1`: their first lines), the whole K
+template <int RT, int NT>
+void amx_bf16(const Args& a, const char* x, int64_t ld, const char* w0, const char* w1,
+              int64_t m, int64_t rows, int64_t n, float* c) {
+  _tile_zero(0);
+  if constexpr (NT == 2) _tile_zero(1);
+  if constexpr (RT == 2) _tile_zero(2);
+  if constexpr (RT == 2 && NT == 2) _tile_zero(3);
+  for (int64_t p = 0; p < a.K2; p += 16) {
+    _tile_loadd(4, x + p * 4, ld);
+    _tile_loadd(6, w0 + p * 64, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT == 2) {
+      _tile_loadd(7, w1 + p * 64, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (RT == 2) {
+      _tile_loadd(5, x + kTileRows * ld + p * 4, ld);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  const int64_t r0 = std::min(rows, kTileRows), r1 = rows - kTileRows;
+  _tile_stored(0, c, 64);
+  amx_store(a, m, r0, n, c);
+  if constexpr (NT == 2) {
+    _tile_stored(1, c, 64);
+    amx_store(a, m, r0, n + kLanes, c);
+  }
+  if constexpr (RT == 2) {
+    _tile_stored(2, c, 64);
+    amx_store(a, m + kTileRows, r1, n, c);
+  }
+  if constexpr (RT == 2 && NT == 2) {
+    _tile_stored(3, c, 64);
+    amx_store(a, m + kTileRows, r1, n + kLanes, c);
+  }
+}
+
+// int8: x's low and high bytes of rows m .. m + 16 (`lo`, `hi`: the group's first row, `ld`
+// bytes between rows) against NT = 1, 2 blocks in quads (`w0`, `w1`), the whole K
+template <int NT>
+void amx_int8(const Args& a, const char* lo, const char* hi, int64_t ld, const char* w0,
+              const char* w1, int64_t m, int64_t rows, int64_t n, float* c) {
+  _tile_zero(0);
+  _tile_zero(2);
+  if constexpr (NT == 2) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < 2 * a.K2; k += 64) {
+    _tile_loadd(4, lo + k, ld);
+    _tile_loadd(5, hi + k, ld);
+    _tile_loadd(6, w0 + k * 16, 64);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbssd(2, 5, 6);
+    if constexpr (NT == 2) {
+      _tile_loadd(7, w1 + k * 16, 64);
+      _tile_dpbusd(1, 4, 7);
+      _tile_dpbssd(3, 5, 7);
+    }
+  }
+  auto* h = reinterpret_cast<int32_t*>(c + 256);
+  _tile_stored(0, c, 64);
+  _tile_stored(2, h, 64);
+  amx_store(a, m, rows, n, c, h);
+  if constexpr (NT == 2) {
+    _tile_stored(1, c, 64);
+    _tile_stored(3, h, 64);
+    amx_store(a, m, rows, n + kLanes, c, h);
+  }
+}
+
+// a block of int8 pairs (K2 lines of 32 bytes) as quads: line t of the output (64 bytes) holds,
+// for each of the 16 outputs j, its inputs 4t .. 4t + 3 (input lines 2t and 2t + 1, words j)
+void quads(const char* w, int64_t K2, char* out) {
+  alignas(64) static constexpr int16_t kIdx[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                   21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                   11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(kIdx);
+  for (int64_t t = 0; t < K2 / 2; ++t)
+    _mm512_store_si512(out + t * 64, _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(w + t * 64)));
+}
+
+// rows m0 .. m1 x blocks b0 .. b1 on this thread: block pairs outer (in L1 or L2), groups of
+// rows inner (32 in bf16, 16 in int8), over chunks of rows that fit L2 beside them. x: bf16
+// rows (a.x), or for int8 the low bytes of the rows then (at lo + M * K) their high bytes.
+template <class F>
+void amx_rows(const Args& a, const char* lo, int64_t M, int64_t m0, int64_t m1, int64_t b0,
+              int64_t b1) {
+  constexpr bool kInt8 = std::is_same_v<F, Int8Format>;
+  constexpr int64_t kGroup = kInt8 ? kTileRows : 2 * kTileRows;
+  const int64_t K = 2 * a.K2, ld = kInt8 ? K : 2 * K, bb = a.K2 * F::kLineBytes;
+  const char* x = kInt8 ? lo : reinterpret_cast<const char*>(a.x);
+  const char* hi = lo + M * K;  // int8 only
+  const int64_t chunk = std::max<int64_t>(kGroup, (size_t(1) << 20) / ld / kGroup * kGroup);
+  thread_local std::vector<char> keep;
+  at::Tensor big;
+  const auto s = minisgl::scratch(keep, big, {size_t(2 * kGroup * ld),
+                                              size_t(kInt8 ? 2 * bb : 0), size_t(2 * 1024)});
+  char* pad = s[0];  // (int8: then the high bytes' pad at pad + kGroup * ld)
+  char* panel = s[1];
+  auto* c = reinterpret_cast<float*>(s[2]);
+  amx_begin();
+  for (int64_t mc = m0; mc < m1; mc += chunk) {
+    const int64_t mc1 = std::min(m1, mc + chunk);
+    // the last group of fewer than 16 (or 32) rows: its rows, then zeros (a tile load reads
+    // all 16), once for all blocks
+    const int64_t last = mc + (mc1 - mc - 1) / kGroup * kGroup, last_rows = mc1 - last;
+    const int64_t padded = (last_rows + kTileRows - 1) / kTileRows * kTileRows;
+    if (last_rows % kTileRows != 0)
+      for (int part = 0; part < (kInt8 ? 2 : 1); ++part) {
+        char* to = pad + part * kGroup * ld;
+        std::memcpy(to, (part == 0 ? x : hi) + last * ld, last_rows * ld);
+        std::memset(to + last_rows * ld, 0, (padded - last_rows) * ld);
+      }
+    for (int64_t b = b0; b < b1; b += 2) {
+      const int nt = b + 1 < b1 ? 2 : 1;
+      const char* w0 = a.w + b * bb;
+      if constexpr (kInt8) {
+        for (int j = 0; j < nt; ++j) quads(w0 + j * bb, a.K2, panel + j * bb);
+        w0 = panel;
+      }
+      const char* w1 = w0 + bb;
+      for (int64_t m = mc; m < mc1; m += kGroup) {
+        const int64_t rows = std::min(kGroup, mc1 - m);
+        const bool padded_group = rows % kTileRows != 0;
+        const char* xg = padded_group ? pad : x + m * ld;
+        if constexpr (kInt8) {
+          const char* hg = padded_group ? pad + kGroup * ld : hi + m * ld;
+          (nt == 2 ? &amx_int8<2> : &amx_int8<1>)(a, xg, hg, ld, w0, w1, m, rows, b * kLanes, c);
+        } else {
+          constexpr void (*kFn[2][2])(const Args&, const char*, int64_t, const char*,
+                                      const char*, int64_t, int64_t, int64_t, float*) = {
+              {&amx_bf16<1, 1>, &amx_bf16<1, 2>}, {&amx_bf16<2, 1>, &amx_bf16<2, 2>}};
+          kFn[rows > kTileRows][nt - 1](a, xg, ld, w0, w1, m, rows, b * kLanes, c);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+// all M rows on the tiles, over the threads as split() shares them. int8: `lo` as amx_rows
+template <class F>
+void run_amx(const Args& a, int64_t M, int64_t NB, const char* lo = nullptr) {
+  constexpr int64_t kGroup = std::is_same_v<F, Int8Format> ? kTileRows : 2 * kTileRows;
+  split(M, NB, kGroup, [&](int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
+    amx_rows<F>(a, lo, M, m0, m1, b0, b1);
+  });
+}
+
+// int16 x (|q| <= 8191) -> its low bytes (unsigned) and high bytes (signed): q = 256 hi + lo
+void split_bytes(const int16_t* q, int64_t n, uint8_t* lo, int8_t* hi) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512i v = _mm512_loadu_si512(q + i);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), _mm512_cvtepi16_epi8(v));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i),
+                        _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+  }
+  for (; i < n; ++i) {
+    lo[i] = static_cast<uint8_t>(q[i] & 0xFF);
+    hi[i] = static_cast<int8_t>(q[i] >> 8);
+  }
+}
+
+#endif  // MINISGL_AMX
+
 template <class F>
 void run(const Args& a, int64_t M, int64_t NB) {
   if (M == 0) return;
+#if MINISGL_AMX
+  if constexpr (std::is_same_v<F, Bf16Format>) {
+    if (amx_applies<F>(M, 2 * a.K2)) return run_amx<F>(a, M, NB);
+  }
+#endif
 #if MINISGL_LINEAR_AVX2
   if constexpr (std::is_same_v<F, Bf16Format>) {
     if (M > Bf16Format::kGemvRows) return run_f32(a, M, NB);
@@ -815,15 +1090,32 @@ void int8_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& w
       std::min<int64_t>(kInt8MaxQ, INT32_MAX / (127 * std::max<int64_t>(K, 1))));
   thread_local std::vector<char> keep;
   at::Tensor big;
-  const auto p = minisgl::scratch(keep, big, {M * K * sizeof(int16_t), M * sizeof(float)});
+#if MINISGL_AMX
+  const bool amx = amx_applies<Int8Format>(M, K);
+#else
+  constexpr bool amx = false;
+#endif
+  // x as int16, and on the tiles also as its low and high bytes [M, K] each
+  const auto p = minisgl::scratch(keep, big, {M * K * sizeof(int16_t), M * sizeof(float),
+                                              amx ? size_t(2 * M * K) : 0});
   int16_t* qp = reinterpret_cast<int16_t*>(p[0]);
   float* sxp = reinterpret_cast<float*>(p[1]);
   at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1)),
                    [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, qmax, qp + m * K, sxp + m);
+    for (int64_t m = m0; m < m1; ++m) {
+      quantize_row(x + m * K, K, qmax, qp + m * K, sxp + m);
+#if MINISGL_AMX
+      if (amx)
+        split_bytes(qp + m * K, K, reinterpret_cast<uint8_t*>(p[2]) + m * K,
+                    reinterpret_cast<int8_t*>(p[2]) + (M + m) * K);
+#endif
+    }
   });
   const Args a{reinterpret_cast<const int32_t*>(qp), K / 2,
                static_cast<const char*>(wp.const_data_ptr()), y, N, sxp, scales};
+#if MINISGL_AMX
+  if (amx) return run_amx<Int8Format>(a, M, wp.size(0), p[2]);
+#endif
   run<Int8Format>(a, M, wp.size(0));
 #endif
 }
@@ -867,8 +1159,12 @@ void linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor&
 
 }  // namespace minisgl
 
-// Which build of the linear kernels runs here: "avx512", "avx2", or "" (neither: the ops refuse)
+// Which build of the linear kernels runs here: "avx512+amx" (with tiles), "avx512", "avx2", or
+// "" (neither: the ops refuse)
 static std::string linear_isa() {
+#if MINISGL_AMX
+  if (amx_usable()) return "avx512+amx";
+#endif
   return MINISGL_LINEAR_FAST ? "avx512" : MINISGL_LINEAR_AVX2 ? "avx2" : "";
 }
 
