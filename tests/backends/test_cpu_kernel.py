@@ -301,13 +301,14 @@ def test_int8_linear_matches_float64(rows: int, n: int, k: int) -> None:
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="no AMX tiles here (or MINISGL_AMX=off)")
-def test_linears_without_amx_match_float64_too() -> None:
-    """Where AMX runs, the linear tests again with MINISGL_AMX=off (a fresh process: the choice
-    is made once), so that the vector kernels that CPUs without tiles run stay tested here."""
+def test_kernels_without_amx_match_float64_too() -> None:
+    """Where AMX runs (the linears; the attention's items of 16 rows or more), the float64
+    tests again with MINISGL_AMX=off (a fresh process: the choice is made once), so that the
+    vector kernels that CPUs without tiles run stay tested here."""
     env = {**os.environ, "MINISGL_AMX": "off"}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-         "linear_matches_float64 or builds_and_loads or misaligned"], env=env,
+         "matches_float64 or builds_and_loads or misaligned"], env=env,
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " failed" not in done.stdout

@@ -111,9 +111,13 @@ def log(msg: str) -> None:
 
 
 def machine_info(dtype: torch.dtype) -> dict[str, Any]:
+    from minisgl.backends import cpu_kernels
+
+    kernels = torch.ops.minisgl_cpu.linear_isa() if cpu_kernels.load() else "none"
     return {"cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
-            "device": "cpu", "load_average_1m": round(os.getloadavg()[0], 2)}
+            "device": "cpu", "load_average_1m": round(os.getloadavg()[0], 2),
+            "cpu_kernels": kernels}
 
 
 def _times(fn: Callable[[], object], reps: int) -> list[float]:
@@ -376,10 +380,30 @@ class LlamaCppSystem:
     name = "llama-cpp"
 
     def __init__(self, gguf: str, threads: int, n_ctx: int = 4096) -> None:
+        import llama_cpp.llama
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads,
-                         n_threads_batch=threads, n_batch=1024, verbose=False)
+        # On a CPU with AMX llama.cpp repacks the weights for its AMX kernels (an "extra buffer
+        # type", on by default); llama-cpp-python 0.3.36 built with -march=native segfaulted
+        # in its first decode there (Intel with AMX, 2026-12-04). A child process tries that
+        # first; if it dies, llama.cpp runs here without extra buffer types (its AVX-512 path).
+        self.extra_buffers = _llama_cpp_extra_buffers_work(gguf, threads)
+        if not self.extra_buffers:
+            log("llama.cpp crashed with its extra buffer types (AMX repacking) in a child "
+                "process: running it without them")
+        defaults = llama_cpp.llama.llama_cpp.llama_model_default_params
+
+        def params() -> Any:
+            p = defaults()
+            p.use_extra_bufts = self.extra_buffers
+            return p
+
+        llama_cpp.llama.llama_cpp.llama_model_default_params = params
+        try:
+            self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads,
+                             n_threads_batch=threads, n_batch=1024, verbose=False)
+        finally:
+            llama_cpp.llama.llama_cpp.llama_model_default_params = defaults
 
     def _generate(self, prompt: list[int], n_out: int) -> tuple[int, float | None, float]:
         """(tokens, seconds to the first, seconds in all)."""
@@ -402,6 +426,36 @@ class LlamaCppSystem:
     def run_single(self, prompt: list[int], n_out: int) -> Timing:
         count, first, total = self._generate(prompt, n_out)
         return Timing(first if first is not None else total, total, count)
+
+
+def _llama_cpp_extra_buffers_work(gguf: str, threads: int) -> bool:
+    """Whether llama-cpp-python survives a prefill and a few decode steps with its default
+    buffer types, tried in a child process (a crash there costs the bench nothing). Only where
+    the CPU has AMX, the one extra buffer type seen to crash; elsewhere True untried."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            amx = "amx_int8" in next(x for x in f if x.startswith("flags")).split()
+    except (OSError, StopIteration):
+        amx = False
+    if not amx:
+        return True
+    code = textwrap.dedent("""
+        import sys
+        from llama_cpp import Llama
+        llm = Llama(model_path=sys.argv[1], n_ctx=512, n_threads=int(sys.argv[2]),
+                    n_threads_batch=int(sys.argv[2]), n_batch=512, verbose=False)
+        for i, _ in enumerate(llm.generate(list(range(100, 164)), top_k=1, temp=0.0)):
+            if i == 3:
+                break
+    """)
+    import subprocess
+
+    try:
+        done = subprocess.run([sys.executable, "-c", code, gguf, str(threads)],
+                              capture_output=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return False
+    return done.returncode == 0
 
 
 def bench_offline(systems: Sequence[System], ids: Sequence[int], num_requests: int, scale: float,
@@ -559,7 +613,8 @@ def plot(rows: Sequence[Row], path: str, title: str) -> None:
 
 def machine_line(info: dict[str, Any], ceilings: dict[str, float]) -> str:
     return (f"machine: {info['cores']} cores, {info['torch_threads']} torch threads, "
-            f"dtype {info['dtype']}, torch {info['torch']}, load {info['load_average_1m']}; ceilings: "
+            f"dtype {info['dtype']}, torch {info['torch']}, kernels {info['cpu_kernels']}, "
+            f"load {info['load_average_1m']}; ceilings: "
             f"{ceilings['matmul_flops'] / 1e9:.0f} GFLOP/s matmul ("
             + ", ".join(f"{k.removeprefix('matmul_flops_')} {v / 1e9:.0f}"
                         for k, v in ceilings.items() if k.startswith("matmul_flops_"))
@@ -675,6 +730,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     torch.manual_seed(args.data_seed)
     llm, systems = _load_systems(args)
     info = machine_info(llm.engine.dtype)
+    for s in systems:
+        if isinstance(s, LlamaCppSystem):
+            info["llama_cpp_extra_buffers"] = s.extra_buffers
     log("measuring ceilings (matmul, memory read)")
     ceilings = measure_ceilings(llm.engine.dtype)
     print(machine_line(info, ceilings), flush=True)

@@ -57,6 +57,12 @@
 #define MINISGL_ATTN_AVX2 0
 #endif
 #define MINISGL_ATTN_ANY (MINISGL_FAST || MINISGL_ATTN_AVX2)
+// AMX tiles for the products of items with many rows (prefill, extend) in the AVX-512 build
+#if MINISGL_FAST && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define MINISGL_ATTN_AMX 1
+#else
+#define MINISGL_ATTN_AMX 0
+#endif
 
 namespace {
 
@@ -204,8 +210,26 @@ inline void qk_dispatch(int nr, const int32_t* const* q, const __m512i* kt, int6
   }
 }
 
+#if MINISGL_ATTN_AMX
+// Items of 16 rows or more (prefill, extend) multiply on AMX tiles, 16 rows at a time: the
+// scores of a key block by tdpbf16ps of the rows' queries (copied into a zero-padded [16 n, D]
+// buffer: a tile reads rows at one stride) with the transposed block kt (its lines are the
+// tile's rows as they stand), and O += P V by tdpbf16ps of P (16 rows x 16 keys) with the key
+// pairs vp (8 rows of 64 bytes per 16 dims), O's 16 x 16 floats loaded and stored around it
+// (the online softmax rescales O in memory). The softmax itself is unchanged. Tiles: 0 scores,
+// 1 queries, 2 keys, 3 O, 4 P, 5 V.
+inline void attn_tiles_begin() {
+  minisgl::TileConfig c;
+  for (int t = 0; t < 4; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  c.rows[4] = 16, c.colsb[4] = KB * 2;   // P: 16 keys of bf16
+  c.rows[5] = KB / 2, c.colsb[5] = 64;  // V: 8 key pairs x 16 dims
+  _tile_loadconfig(&c);
+}
+#endif
+
 // One work item. O is float32 [R, D] in the "pair" order of the PV product: within each 32 dims,
-// the first 16 floats are dims {8l + i : l < 4, i < 4} and the next 16 dims {8l + 4 + i}.
+// the first 16 floats are dims {8l + i : l < 4, i < 4} and the next 16 dims {8l + 4 + i}; with
+// R >= 16 (AMX) O has room for R rounded up to 16 rows.
 void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
               const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
               int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
@@ -225,6 +249,18 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
             low.data(), m, l);
   for (int64_t r = 0; r < R; ++r) qrow[r] = reinterpret_cast<const int32_t*>(q + qoff[r]);
   std::fill(O, O + R * D, 0.f);
+#if MINISGL_ATTN_AMX
+  const bool amx = R >= 16 && it.part < 0 && minisgl::amx_usable();
+  const int64_t R16 = (R + 15) / 16 * 16;
+  alignas(64) static thread_local float sc[16 * 16];  // a tile of scores
+  static thread_local std::vector<c10::BFloat16> qbuf;
+  if (amx) {
+    qbuf.assign(R16 * D, c10::BFloat16(0.f));
+    for (int64_t r = 0; r < R; ++r) std::memcpy(&qbuf[r * D], q + qoff[r], D * 2);
+    for (int64_t r = R; r < R16; ++r) std::memset(pb[r], 0, sizeof(pb[r]));
+    attn_tiles_begin();
+  }
+#endif
   const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * D;
   const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * D;
   const int64_t* srow = slots + it.b * Lk;
@@ -253,7 +289,22 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     for (int64_t r0 = 0; r0 < R; r0 += 16) {
       const int nr = static_cast<int>(std::min<int64_t>(16, R - r0));
       __m512 s[16];
+#if MINISGL_ATTN_AMX
+      if (amx) {
+        _tile_zero(0);
+        for (int64_t c = 0; c < D / 32; ++c) {
+          _tile_loadd(1, &qbuf[r0 * D + c * 32], D * 2);
+          _tile_loadd(2, kt + c * 16, 64);
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, sc, 64);
+        for (int rr = 0; rr < nr; ++rr) s[rr] = _mm512_load_ps(sc + rr * 16);
+      } else {
+        qk_dispatch(nr, qrow.data() + r0, kt, P, s);
+      }
+#else
       qk_dispatch(nr, qrow.data() + r0, kt, P, s);
+#endif
       for (int rr = 0; rr < nr; ++rr) {
         const int64_t r = r0 + rr;
         int64_t hidden, visible;
@@ -280,6 +331,20 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(p));
       }
     }
+#if MINISGL_ATTN_AMX
+    if (amx) {  // O += P V on tiles
+      for (int64_t r0 = 0; r0 < R; r0 += 16) {
+        _tile_loadd(4, pb[r0], KB * 2);
+        for (int64_t z = 0; z < Z; ++z) {
+          _tile_loadd(3, O + r0 * D + z * 16, D * 4);
+          _tile_loadd(5, vp + z, Z * 64);
+          _tile_dpbf16ps(3, 4, 5);
+          _tile_stored(3, O + r0 * D + z * 16, D * 4);
+        }
+      }
+      continue;
+    }
+#endif
     // O += P V, one 16-dim slice at a time with its 8 key-pair vectors in registers (two chains
     // per row, as in qk_rows).
     for (int64_t z = 0; z < Z; ++z) {
@@ -296,6 +361,9 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
       }
     }
   }
+#if MINISGL_ATTN_AMX
+  if (amx) _tile_release();
+#endif
 }
 
 // Dims of the pair order back to the natural order, scaled by inv, as bf16.

@@ -162,6 +162,26 @@ at::Tensor weight_zeros(at::IntArrayRef sizes, at::ScalarType dtype) {
   return at::from_blob(p, sizes, [a](void*) { release(a); }, options);
 }
 
+// Linux lends AMX's tile registers to a process that asks once (arch_prctl
+// ARCH_REQ_XCOMP_PERM, XTILEDATA); where it refuses, the build has no AMX, or MINISGL_AMX=off,
+// false: the vector kernels run.
+bool amx_usable() {
+#if MINISGL_AMX
+  static const bool ok = [] {
+    const char* env = std::getenv("MINISGL_AMX");
+    if (env != nullptr) {
+      const std::string v(env);
+      if (v == "0" || v == "off" || v == "false" || v == "no") return false;
+    }
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // <asm/prctl.h>, the XSAVE feature
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 }  // namespace minisgl
 
 namespace {
@@ -729,9 +749,7 @@ void run_f32(const Args& a, int64_t M, int64_t NB) {
 // quads (4 consecutive inputs per output feature: two lines of a packed block interleaved, one
 // permute per 64 bytes, into a panel per thread), and 256 sum_hi + sum_lo is sum q w in int32.
 // Four sums (16 rows x 2 blocks x high, low), x's two bytes and two tiles of w per 64 inputs.
-//
-// Linux lends AMX's tile registers to a process that asks once (arch_prctl
-// ARCH_REQ_XCOMP_PERM, XTILEDATA); where it refuses, or MINISGL_AMX=off, the vector kernels run.
+// Where minisgl::amx_usable() is false the vector kernels run.
 constexpr int64_t kTileRows = 16;
 
 // From how many rows of x on the tiles run, measured on a decode step's 120 SmolLM2 layer
@@ -747,18 +765,6 @@ constexpr int64_t amx_rows_from() {
   return std::is_same_v<F, Int8Format> ? 12 : 1;
 }
 
-bool amx_usable() {
-  static const bool ok = [] {
-    const char* env = std::getenv("MINISGL_AMX");
-    if (env != nullptr) {
-      const std::string v(env);
-      if (v == "0" || v == "off" || v == "false" || v == "no") return false;
-    }
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // <asm/prctl.h>, the XSAVE feature
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
-  return ok;
-}
 
 // inputs per tile step: 32 bf16 (16 pairs) or 64 int8 (16 quads)
 template <class F>
@@ -768,20 +774,13 @@ constexpr int64_t amx_step() {
 
 template <class F>
 bool amx_applies(int64_t M, int64_t K) {
-  return M >= amx_rows_from<F>() && K % amx_step<F>() == 0 && amx_usable();
+  return M >= amx_rows_from<F>() && K % amx_step<F>() == 0 && minisgl::amx_usable();
 }
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // every tile 16 rows x 64 bytes. The configuration is per thread: each thread loads it, and
 // releases the tiles after.
 inline void amx_begin() {
-  TileConfig c;
+  minisgl::TileConfig c;
   for (int t = 0; t < 8; ++t) c.rows[t] = kTileRows, c.colsb[t] = 64;
   _tile_loadconfig(&c);
 }
@@ -1163,7 +1162,7 @@ void linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor&
 // "" (neither: the ops refuse)
 static std::string linear_isa() {
 #if MINISGL_AMX
-  if (amx_usable()) return "avx512+amx";
+  if (minisgl::amx_usable()) return "avx512+amx";
 #endif
   return MINISGL_LINEAR_FAST ? "avx512" : MINISGL_LINEAR_AVX2 ? "avx2" : "";
 }

@@ -37,6 +37,18 @@ std::array<char*, N> scratch(std::vector<char>& keep, at::Tensor& big, const siz
   return pieces;
 }
 
+// Whether AMX tiles may run here (cpu_linear.cpp): built with them, granted by Linux, and
+// MINISGL_AMX not off. Decided once per process.
+bool amx_usable();
+
+// ldtilecfg's operand (palette 1): tile t has rows[t] rows of colsb[t] bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
 // A zero-filled tensor for packed weights, in 2 MiB pages where Linux grants them (cpu_linear.cpp).
 at::Tensor weight_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
 
