@@ -314,7 +314,7 @@ def test_bf16_engine_prepacks_every_linear(smollm2_path: str) -> None:
     # the tied LM head keeps the embedding's float weight, the others drop theirs
     assert model.model.embed_tokens.weight.numel() > 0
     assert sum(m.weight.numel() == 0 for m in linears) == len(linears) - 1
-    text = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    text = llm.chat([{"role": "user", "content": "Tell me the capital of France."}],
                     greedy(12))[0].text
     assert "Paris" in text
 

@@ -29,7 +29,10 @@ from .reference import (
 pytestmark = pytest.mark.slow
 
 ATOL = 2e-4
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+# "Tell me", not "What is": the latter's first token is a near-tie ("The" 25.325 / "L" 25.243
+# in HF float32, one bf16 step apart) that kernels with other summation orders (AMX tiles,
+# compiled prefills) break the other way, into "L'Etoile..."; this one leads by 0.73
+FRANCE = [{"role": "user", "content": "Tell me the capital of France."}]
 TEXTS = [
     "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
@@ -98,11 +101,9 @@ def test_chat_answer_float32_is_paris_and_matches_hf(llm_fp32: LLM, smollm2_path
 
 
 def test_chat_answer_default_dtype_bf16_is_paris(smollm2_path: str, attention_backend: str) -> None:
-    # Eager steps (compile="off"): this prompt's first token is a bf16 near-tie. Eager logits
-    # are 25.5 "The" / 25.375 "L"; a compiled prefill (Inductor keeps the fused elementwise
-    # steps in float32) rounds both to 25.375 and greedy takes the lower id, "L'Etoile..." (with
-    # the CPU kernel; measured 2026-12-01). Compiled logits are held to float32 references in
-    # test_compile.py instead.
+    # Eager steps (compile="off"). FRANCE's answer leads by 0.73 at its first token (see there):
+    # the bf16 kernels' summation orders (vectors or AMX tiles) do not flip it. Compiled logits
+    # are held to float32 references in test_compile.py.
     llm = LLM(model="smollm2", attention_backend=attention_backend, num_pages=64, compile="off")
     assert llm.engine.dtype == torch.bfloat16  # "auto" on CPU
     out = llm.chat([FRANCE], SamplingParams(max_tokens=20, temperature=0))[0]

@@ -25,10 +25,10 @@ def test_plugins_lists_builtin_plugins() -> None:
 
 @pytest.mark.slow
 def test_generate_chat_on_bundled_model(smollm2_path: str) -> None:
-    # --compile off: the default bf16 first token of this prompt is a near-tie that compiled
-    # prefill rounds the other way (see test_smollm2's bf16 Paris test); this tests the CLI
+    # --compile off: quicker; "Tell me", not "What is the capital of France?", whose first token
+    # is a bf16 near-tie (see test_smollm2's FRANCE); this tests the CLI
     res = minisgl("generate", "--chat", "--max-tokens", "20", "--compile", "off",
-                  "What is the capital of France?")
+                  "Tell me the capital of France.")
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
     assert "stop]" in res.stdout  # the answer ends on the chat end-of-turn token

@@ -23,7 +23,11 @@
 Every kernel has two builds: AVX-512 (AVX512-BF16, and AVX512-VNNI for the linears: Intel since
 Cooper Lake, AMD since Zen 4) and AVX2 with FMA (x86-64-v3: Intel since Haswell, AMD since Zen;
 the build for every such CPU without AVX512-BF16, most laptops among them), which computes the
-same sums with 256-bit vectors (the attention in float32). ``linear_isa()`` says which one runs.
+same sums with 256-bit vectors (the attention in float32). Where the CPU has AMX (Intel since
+Sapphire Rapids) and Linux grants its tiles, the AVX-512 build's linears (bf16 from 1 row, int8
+from 12, the same integer sums) and the attention's prefill items multiply on tiles;
+``MINISGL_AMX=off`` keeps them on vectors. ``linear_isa()`` says which one runs ("avx512+amx",
+"avx512", "avx2").
 
 The sources are compiled with the machine's compiler (``-O3 -march=native -fopenmp``) through
 ``torch.utils.cpp_extension`` into ``~/.cache/minisgl/ext/<key>``, the key covering the sources
