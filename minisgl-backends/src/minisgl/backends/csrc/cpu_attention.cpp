@@ -57,7 +57,7 @@
 #define MINISGL_ATTN_AVX2 0
 #endif
 #define MINISGL_ATTN_ANY (MINISGL_FAST || MINISGL_ATTN_AVX2)
-// AMX tiles for the products of items with many rows (prefill, extend) in the AVX-512 build
+// AMX tiles for items of many rows (prefill, extend, shared-prefix decode) in the AVX-512 build
 #if MINISGL_FAST && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define MINISGL_ATTN_AMX 1
 #else
@@ -210,26 +210,8 @@ inline void qk_dispatch(int nr, const int32_t* const* q, const __m512i* kt, int6
   }
 }
 
-#if MINISGL_ATTN_AMX
-// Items of 16 rows or more (prefill, extend) multiply on AMX tiles, 16 rows at a time: the
-// scores of a key block by tdpbf16ps of the rows' queries (copied into a zero-padded [16 n, D]
-// buffer: a tile reads rows at one stride) with the transposed block kt (its lines are the
-// tile's rows as they stand), and O += P V by tdpbf16ps of P (16 rows x 16 keys) with the key
-// pairs vp (8 rows of 64 bytes per 16 dims), O's 16 x 16 floats loaded and stored around it
-// (the online softmax rescales O in memory). The softmax itself is unchanged. Tiles: 0 scores,
-// 1 queries, 2 keys, 3 O, 4 P, 5 V.
-inline void attn_tiles_begin() {
-  minisgl::TileConfig c;
-  for (int t = 0; t < 4; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-  c.rows[4] = 16, c.colsb[4] = KB * 2;   // P: 16 keys of bf16
-  c.rows[5] = KB / 2, c.colsb[5] = 64;  // V: 8 key pairs x 16 dims
-  _tile_loadconfig(&c);
-}
-#endif
-
 // One work item. O is float32 [R, D] in the "pair" order of the PV product: within each 32 dims,
-// the first 16 floats are dims {8l + i : l < 4, i < 4} and the next 16 dims {8l + 4 + i}; with
-// R >= 16 (AMX) O has room for R rounded up to 16 rows.
+// the first 16 floats are dims {8l + i : l < 4, i < 4} and the next 16 dims {8l + 4 + i}.
 void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
               const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
               int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
@@ -249,18 +231,6 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
             low.data(), m, l);
   for (int64_t r = 0; r < R; ++r) qrow[r] = reinterpret_cast<const int32_t*>(q + qoff[r]);
   std::fill(O, O + R * D, 0.f);
-#if MINISGL_ATTN_AMX
-  const bool amx = R >= 16 && it.part < 0 && minisgl::amx_usable();
-  const int64_t R16 = (R + 15) / 16 * 16;
-  alignas(64) static thread_local float sc[16 * 16];  // a tile of scores
-  static thread_local std::vector<c10::BFloat16> qbuf;
-  if (amx) {
-    qbuf.assign(R16 * D, c10::BFloat16(0.f));
-    for (int64_t r = 0; r < R; ++r) std::memcpy(&qbuf[r * D], q + qoff[r], D * 2);
-    for (int64_t r = R; r < R16; ++r) std::memset(pb[r], 0, sizeof(pb[r]));
-    attn_tiles_begin();
-  }
-#endif
   const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * D;
   const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * D;
   const int64_t* srow = slots + it.b * Lk;
@@ -289,22 +259,7 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     for (int64_t r0 = 0; r0 < R; r0 += 16) {
       const int nr = static_cast<int>(std::min<int64_t>(16, R - r0));
       __m512 s[16];
-#if MINISGL_ATTN_AMX
-      if (amx) {
-        _tile_zero(0);
-        for (int64_t c = 0; c < D / 32; ++c) {
-          _tile_loadd(1, &qbuf[r0 * D + c * 32], D * 2);
-          _tile_loadd(2, kt + c * 16, 64);
-          _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, sc, 64);
-        for (int rr = 0; rr < nr; ++rr) s[rr] = _mm512_load_ps(sc + rr * 16);
-      } else {
-        qk_dispatch(nr, qrow.data() + r0, kt, P, s);
-      }
-#else
       qk_dispatch(nr, qrow.data() + r0, kt, P, s);
-#endif
       for (int rr = 0; rr < nr; ++rr) {
         const int64_t r = r0 + rr;
         int64_t hidden, visible;
@@ -331,20 +286,6 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(p));
       }
     }
-#if MINISGL_ATTN_AMX
-    if (amx) {  // O += P V on tiles
-      for (int64_t r0 = 0; r0 < R; r0 += 16) {
-        _tile_loadd(4, pb[r0], KB * 2);
-        for (int64_t z = 0; z < Z; ++z) {
-          _tile_loadd(3, O + r0 * D + z * 16, D * 4);
-          _tile_loadd(5, vp + z, Z * 64);
-          _tile_dpbf16ps(3, 4, 5);
-          _tile_stored(3, O + r0 * D + z * 16, D * 4);
-        }
-      }
-      continue;
-    }
-#endif
     // O += P V, one 16-dim slice at a time with its 8 key-pair vectors in registers (two chains
     // per row, as in qk_rows).
     for (int64_t z = 0; z < Z; ++z) {
@@ -361,10 +302,142 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
       }
     }
   }
-#if MINISGL_ATTN_AMX
-  if (amx) _tile_release();
-#endif
 }
+
+#if MINISGL_ATTN_AMX
+// Items of 16 rows or more (prefill, extend, a shared prefix's decode queries) on AMX tiles,
+// 16 rows at a time and 4 key blocks (64 keys) per softmax step: per block the transposed keys
+// kt and the key pairs vp as run_item builds them; the scores of each block by tdpbf16ps of the
+// rows' queries (copied once into a zero-padded [16 n, D] buffer: a tile reads rows at one
+// stride) with kt, whose 64-byte lines are the tile's rows as they stand; one online-softmax
+// update per row for the 64 scores (run_item's, per 16, cost more than the products on
+// tiles); then O += P V by tdpbf16ps of P (16 rows x 16 keys per block) with vp (8 rows of 64
+// bytes per 16 dims), each 16 x 16 tile of O loaded once and stored once per step. O and the
+// running max and sum as run_item's; O needs room for R rounded up to 16 rows.
+constexpr int SB = 4;  // key blocks per step
+
+// Tiles: 0 scores, 1 queries, 2 keys, 3 O, 4 P, 5 V.
+inline void attn_tiles_begin() {
+  minisgl::TileConfig c;
+  for (int t = 0; t < 4; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  c.rows[4] = 16, c.colsb[4] = KB * 2;  // P: 16 keys of bf16
+  c.rows[5] = KB / 2, c.colsb[5] = 64;  // V: 8 key pairs x 16 dims
+  _tile_loadconfig(&c);
+}
+
+void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
+                  const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
+                  int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
+                  int64_t S, int64_t G, int64_t D, float scale, int64_t window, float* O,
+                  float* m, float* l) {
+  const int64_t R = it.nq * G, R16 = (R + 15) / 16 * 16, Z = D / 16;
+  alignas(64) static thread_local __m512i kt[SB][MAXD / 2];
+  alignas(64) static thread_local __m512i vp[SB][KB / 2 * MAXD / 16];
+  alignas(64) static thread_local uint16_t pb[QB * 8][SB * KB];  // P of each row, bf16
+  alignas(64) static thread_local float sc[SB][16 * 16];          // scores of 16 rows
+  static thread_local std::vector<c10::BFloat16> qbuf;
+  static thread_local std::vector<int64_t> qoff, lim, low;
+  qoff.resize(R);
+  lim.resize(R);
+  low.resize(R);
+  item_rows(it, prefix, qrow0, members, q_start, H, G, D, window, qoff.data(), lim.data(),
+            low.data(), m, l);
+  qbuf.assign(R16 * D, c10::BFloat16(0.f));
+  for (int64_t r = 0; r < R; ++r) std::memcpy(&qbuf[r * D], q + qoff[r], D * 2);
+  std::fill(O, O + R16 * D, 0.f);
+  for (int64_t r = R; r < R16; ++r) std::memset(pb[r], 0, sizeof(pb[r]));
+  const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * D;
+  const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * D;
+  const int64_t* srow = slots + it.b * Lk;
+  const __m512i zero = _mm512_setzero_si512();
+  attn_tiles_begin();
+  for (int64_t kb0 = it.k0; kb0 < it.k1; kb0 += SB * KB) {
+    const int nsb = static_cast<int>(std::min<int64_t>(SB, (it.k1 - kb0 + KB - 1) / KB));
+    for (int sb = 0; sb < nsb; ++sb) {  // each block's kt and vp, as run_item
+      const int64_t kb = kb0 + sb * KB;
+      const int nk = static_cast<int>(std::min<int64_t>(KB, it.k1 - kb));
+      const uint16_t* krow[KB];
+      const uint16_t* vrow[KB];
+      block_rows(kh, vh, srow, kb, nk, it.k1, D, krow, vrow);
+      for (int64_t c = 0; c < D / 32; ++c) {
+        __m512i* t = kt[sb] + c * 16;
+        for (int j = 0; j < KB; ++j) t[j] = krow[j] ? _mm512_loadu_si512(krow[j] + c * 32) : zero;
+        transpose16(t);
+      }
+      for (int jp = 0; jp < KB / 2; ++jp)
+        for (int64_t c = 0; c < D / 32; ++c) {
+          __m512i a = vrow[2 * jp] ? _mm512_loadu_si512(vrow[2 * jp] + c * 32) : zero;
+          __m512i b = vrow[2 * jp + 1] ? _mm512_loadu_si512(vrow[2 * jp + 1] + c * 32) : zero;
+          vp[sb][jp * Z + 2 * c] = _mm512_unpacklo_epi16(a, b);
+          vp[sb][jp * Z + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+        }
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += 16) {
+      for (int sb = 0; sb < nsb; ++sb) {
+        _tile_zero(0);
+        for (int64_t c = 0; c < D / 32; ++c) {
+          _tile_loadd(1, &qbuf[r0 * D + c * 32], D * 2);
+          _tile_loadd(2, kt[sb] + c * 16, 64);
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, sc[sb], 64);
+      }
+      for (int64_t r = r0; r < std::min(R, r0 + 16); ++r) {
+        __m512 x[SB];
+        __mmask16 mask[SB];
+        __m512 vmax = _mm512_set1_ps(NEG_INF);
+        bool any = false;
+        for (int sb = 0; sb < nsb; ++sb) {
+          const int64_t kb = kb0 + sb * KB;
+          int64_t hidden, visible;
+          mask[sb] = 0;
+          if (row_lanes(low[r], lim[r], kb, static_cast<int>(std::min<int64_t>(KB, it.k1 - kb)),
+                        hidden, visible))
+            mask[sb] = static_cast<__mmask16>(((1u << visible) - 1) & ~((1u << hidden) - 1));
+          any |= mask[sb] != 0;
+          x[sb] = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_INF), mask[sb],
+                                     _mm512_mul_ps(_mm512_load_ps(sc[sb] + (r - r0) * 16),
+                                                   _mm512_set1_ps(scale)));
+          vmax = _mm512_max_ps(vmax, x[sb]);
+        }
+        if (!any) {
+          std::memset(pb[r], 0, sizeof(pb[r]));
+          continue;
+        }
+        const float mx = std::max(m[r], _mm512_reduce_max_ps(vmax));
+        __m512 sum = _mm512_setzero_ps();
+        for (int sb = 0; sb < nsb; ++sb) {
+          const __m512 p = _mm512_maskz_mov_ps(mask[sb],
+                                               exp16(_mm512_sub_ps(x[sb], _mm512_set1_ps(mx))));
+          sum = _mm512_add_ps(sum, p);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r] + sb * KB),
+                             (__m256i)_mm512_cvtneps_pbh(p));
+        }
+        const float corr = m[r] == mx         ? 1.f
+                           : m[r] == NEG_INF ? 0.f
+                                             : _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[r] - mx)));
+        l[r] = l[r] * corr + _mm512_reduce_add_ps(sum);
+        m[r] = mx;
+        if (corr != 1.f) {
+          float* o = O + r * D;
+          for (int64_t z = 0; z < Z; ++z)
+            _mm512_storeu_ps(o + z * 16, _mm512_mul_ps(_mm512_loadu_ps(o + z * 16), _mm512_set1_ps(corr)));
+        }
+      }
+      for (int64_t z = 0; z < Z; ++z) {  // O += P V for these 16 rows
+        _tile_loadd(3, O + r0 * D + z * 16, D * 4);
+        for (int sb = 0; sb < nsb; ++sb) {
+          _tile_loadd(4, pb[r0] + sb * KB, SB * KB * 2);
+          _tile_loadd(5, vp[sb] + z, Z * 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(3, O + r0 * D + z * 16, D * 4);
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
 
 // Dims of the pair order back to the natural order, scaled by inv, as bf16.
 inline void write_row(const float* o, float inv, int64_t D, c10::BFloat16* out) {
@@ -883,8 +956,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
         lb = mb + G;
         Ob = lb + G;
       }
-      run_item(it, qp, kp, vp, sp, Lk, prefix, qs[it.b], members.data(), qs, H, S, G, D, fscale,
-               window, Ob, mb, lb);
+#if MINISGL_ATTN_AMX
+      // (O is the thread's [QB * G, D] buffer, room for the rows rounded up to 16, unless the
+      // item is one request's split-K part; a shared-prefix item's parts are copied out after)
+      if (it.nq * G >= 16 && (it.part < 0 || it.mn > 0) && minisgl::amx_usable())
+        run_item_amx(it, qp, kp, vp, sp, Lk, prefix, qs[it.b], members.data(), qs, H, S, G, D,
+                     fscale, window, Ob, mb, lb);
+      else
+#endif
+        run_item(it, qp, kp, vp, sp, Lk, prefix, qs[it.b], members.data(), qs, H, S, G, D,
+                 fscale, window, Ob, mb, lb);
       for (int64_t j = 0; j < it.mn; ++j) {  // a shared item's rows to its members' parts
         float* dst = part.data() + (it.part + j) * stride;
         std::copy(mb + j * G, mb + (j + 1) * G, dst);
