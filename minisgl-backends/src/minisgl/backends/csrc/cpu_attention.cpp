@@ -20,7 +20,8 @@
 // runs its own keys after, and the parts merge as in split-K (not with a window: every request
 // sees keys of its own range). The AVX2 build (no bf16 dot product) runs the same items and
 // blocks in float32: K widened once per block, P not rounded (see run_item there), except
-// that an item of one decode query runs two passes over its keys instead (run_decode).
+// that an item of one decode query runs two passes over its keys instead (run_decode). Where
+// AMX tiles run (cpu_linear.cpp), items of 16 rows or more multiply on them (run_item_amx).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
