@@ -67,12 +67,17 @@ def test_fused_decode_gives_the_modules_logits(smollm2_path: str, quantization: 
     for (c0, l0), (c1, l1) in zip(rec0, rec1):
         assert c0 == c1
         diffs.append((l1 - l0).abs())
-    # Measured: bf16 61 of 72 rows bit-identical, int8 58; after a float32 sum taken in another
-    # order (the norms' sums of squares, the SiLU's exp) rounded the other way once, that
-    # request's later rows differ by a few bf16 steps of logits of ~20 (bf16 at most 0.34,
-    # int8 0.625; means 0.01-0.2).
+    # Measured: bf16 61-67 of 72 rows bit-identical, int8 58 (AVX2 and AVX-512 vectors); once
+    # a float32 sum taken in another order (the norms' sums of squares, the SiLU's exp) rounds
+    # the other way, that request's later rows differ by a few bf16 steps of logits of ~20
+    # (bf16 at most 0.34, int8 0.625; means 0.01-0.2). Where the linears run on AMX tiles the
+    # first such flip came earlier (bf16: 34 rows exact, the first difference at row 16 of 72,
+    # at most 0.625): how many rows stay exact is luck after the first flip, so the check is
+    # the first three steps (9 rows; no flip before row 16 in any run measured), a
+    # floor on the exact rows, and the size of the differences.
     exact = sum(bool((d == 0).all()) for d in diffs)
-    assert exact >= 0.75 * len(diffs), [round(d.max().item(), 3) for d in diffs]
+    assert all(bool((d == 0).all()) for d in diffs[:9]), [d.max().item() for d in diffs[:9]]
+    assert exact >= 0.4 * len(diffs), [round(d.max().item(), 3) for d in diffs]
     assert max(d.max().item() for d in diffs) <= 1.0
 
 
