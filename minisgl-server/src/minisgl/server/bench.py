@@ -428,16 +428,19 @@ class LlamaCppSystem:
         return Timing(first if first is not None else total, total, count)
 
 
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_int8" in next(x for x in f if x.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+
+
 def _llama_cpp_extra_buffers_work(gguf: str, threads: int) -> bool:
     """Whether llama-cpp-python survives a prefill and a few decode steps with its default
     buffer types, tried in a child process (a crash there costs the bench nothing). Only where
     the CPU has AMX, the one extra buffer type seen to crash; elsewhere True untried."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            amx = "amx_int8" in next(x for x in f if x.startswith("flags")).split()
-    except (OSError, StopIteration):
-        amx = False
-    if not amx:
+    if not _cpu_has_amx():
         return True
     code = textwrap.dedent("""
         import sys
