@@ -211,6 +211,51 @@ inline void qk_dispatch(int nr, const int32_t* const* q, const __m512i* kt, int6
   }
 }
 
+// The block of keys kb .. kb + 15 (fewer at k1) loaded for both products: K transposed, kt[p]
+// lane j = dims (2p, 2p+1) of key j; V in key pairs, vp[jp * (D / 16) + z] holds (v_2jp,
+// v_2jp+1) interleaved for 16 dims; keys past the block's end as zeros. Returns its keys.
+inline int load_block(const uint16_t* kh, const uint16_t* vh, const int64_t* srow, int64_t kb,
+                      int64_t k1, int64_t D, __m512i* kt, __m512i* vp) {
+  const int nk = static_cast<int>(std::min<int64_t>(KB, k1 - kb));
+  const int64_t Z = D / 16;
+  const __m512i zero = _mm512_setzero_si512();
+  const uint16_t* krow[KB];
+  const uint16_t* vrow[KB];
+  block_rows(kh, vh, srow, kb, nk, k1, D, krow, vrow);
+  for (int64_t c = 0; c < D / 32; ++c) {
+    __m512i* t = kt + c * 16;
+    for (int j = 0; j < KB; ++j) t[j] = krow[j] ? _mm512_loadu_si512(krow[j] + c * 32) : zero;
+    transpose16(t);
+  }
+  for (int jp = 0; jp < KB / 2; ++jp) {
+    for (int64_t c = 0; c < D / 32; ++c) {
+      __m512i a = vrow[2 * jp] ? _mm512_loadu_si512(vrow[2 * jp] + c * 32) : zero;
+      __m512i b = vrow[2 * jp + 1] ? _mm512_loadu_si512(vrow[2 * jp + 1] + c * 32) : zero;
+      vp[jp * Z + 2 * c] = _mm512_unpacklo_epi16(a, b);
+      vp[jp * Z + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+  }
+  return nk;
+}
+
+// The lanes [hidden, visible) of a block as a mask.
+inline __mmask16 lane_mask(int64_t hidden, int64_t visible) {
+  return static_cast<__mmask16>(((1u << visible) - 1) & ~((1u << hidden) - 1));
+}
+
+// A row's online-softmax step to the new running max mx, with `sum` the sum of its new
+// exp(score - mx): the running sum and O's row (D floats) rescaled by exp(m - mx).
+inline void online_update(float& m, float& l, float mx, float sum, float* o, int64_t D) {
+  const float corr = m == mx         ? 1.f
+                     : m == NEG_INF ? 0.f
+                                    : _mm512_cvtss_f32(exp16(_mm512_set1_ps(m - mx)));
+  l = l * corr + sum;
+  m = mx;
+  if (corr != 1.f)
+    for (int64_t z = 0; z < D; z += 16)
+      _mm512_storeu_ps(o + z, _mm512_mul_ps(_mm512_loadu_ps(o + z), _mm512_set1_ps(corr)));
+}
+
 // One work item. O is float32 [R, D] in the "pair" order of the PV product: within each 32 dims,
 // the first 16 floats are dims {8l + i : l < 4, i < 4} and the next 16 dims {8l + 4 + i}.
 void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
@@ -235,27 +280,8 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
   const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * D;
   const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * D;
   const int64_t* srow = slots + it.b * Lk;
-  const __m512i zero = _mm512_setzero_si512();
   for (int64_t kb = it.k0; kb < it.k1; kb += KB) {
-    const int nk = static_cast<int>(std::min<int64_t>(KB, it.k1 - kb));
-    const uint16_t* krow[KB];
-    const uint16_t* vrow[KB];
-    block_rows(kh, vh, srow, kb, nk, it.k1, D, krow, vrow);
-    // K block transposed: kt[p] lane j = dims (2p, 2p+1) of key j.
-    for (int64_t c = 0; c < D / 32; ++c) {
-      __m512i* t = kt + c * 16;
-      for (int j = 0; j < KB; ++j) t[j] = krow[j] ? _mm512_loadu_si512(krow[j] + c * 32) : zero;
-      transpose16(t);
-    }
-    // V block in key pairs: vp[jp * Z + z] holds (v_2jp, v_2jp+1) interleaved for 16 dims.
-    for (int jp = 0; jp < KB / 2; ++jp) {
-      for (int64_t c = 0; c < D / 32; ++c) {
-        __m512i a = vrow[2 * jp] ? _mm512_loadu_si512(vrow[2 * jp] + c * 32) : zero;
-        __m512i b = vrow[2 * jp + 1] ? _mm512_loadu_si512(vrow[2 * jp + 1] + c * 32) : zero;
-        vp[jp * Z + 2 * c] = _mm512_unpacklo_epi16(a, b);
-        vp[jp * Z + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
-      }
-    }
+    const int nk = load_block(kh, vh, srow, kb, it.k1, D, kt, vp);
     // Scores and online softmax, 16 rows at a time.
     for (int64_t r0 = 0; r0 < R; r0 += 16) {
       const int nr = static_cast<int>(std::min<int64_t>(16, R - r0));
@@ -268,22 +294,12 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
           std::memset(pb[r], 0, sizeof(pb[r]));
           continue;
         }
-        const __mmask16 mask =
-            static_cast<__mmask16>(((1u << visible) - 1) & ~((1u << hidden) - 1));
+        const __mmask16 mask = lane_mask(hidden, visible);
         __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_INF), mask,
                                       _mm512_mul_ps(s[rr], _mm512_set1_ps(scale)));
         const float mx = std::max(m[r], _mm512_reduce_max_ps(x));
         __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(x, _mm512_set1_ps(mx))));
-        const float corr = m[r] == mx         ? 1.f
-                           : m[r] == NEG_INF ? 0.f
-                                             : _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[r] - mx)));
-        l[r] = l[r] * corr + _mm512_reduce_add_ps(p);
-        m[r] = mx;
-        if (corr != 1.f) {
-          float* o = O + r * D;
-          for (int64_t z = 0; z < Z; ++z)
-            _mm512_storeu_ps(o + z * 16, _mm512_mul_ps(_mm512_loadu_ps(o + z * 16), _mm512_set1_ps(corr)));
-        }
+        online_update(m[r], l[r], mx, _mm512_reduce_add_ps(p), O + r * D, D);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(p));
       }
     }
@@ -308,7 +324,7 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
 #if MINISGL_ATTN_AMX
 // Items of 16 rows or more (prefill, extend, a shared prefix's decode queries) on AMX tiles,
 // 16 rows at a time and 4 key blocks (64 keys) per softmax step: per block the transposed keys
-// kt and the key pairs vp as run_item builds them; the scores of each block by tdpbf16ps of the
+// kt and the key pairs vp (load_block); the scores of each block by tdpbf16ps of the
 // rows' queries (copied once into a zero-padded [16 n, D] buffer: a tile reads rows at one
 // stride) with kt, whose 64-byte lines are the tile's rows as they stand; one online-softmax
 // update per row for the 64 scores (run_item's, per 16, cost more than the products on
@@ -350,29 +366,12 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
   const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * D;
   const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * D;
   const int64_t* srow = slots + it.b * Lk;
-  const __m512i zero = _mm512_setzero_si512();
   attn_tiles_begin();
   for (int64_t kb0 = it.k0; kb0 < it.k1; kb0 += SB * KB) {
-    const int nsb = static_cast<int>(std::min<int64_t>(SB, (it.k1 - kb0 + KB - 1) / KB));
-    for (int sb = 0; sb < nsb; ++sb) {  // each block's kt and vp, as run_item
-      const int64_t kb = kb0 + sb * KB;
-      const int nk = static_cast<int>(std::min<int64_t>(KB, it.k1 - kb));
-      const uint16_t* krow[KB];
-      const uint16_t* vrow[KB];
-      block_rows(kh, vh, srow, kb, nk, it.k1, D, krow, vrow);
-      for (int64_t c = 0; c < D / 32; ++c) {
-        __m512i* t = kt[sb] + c * 16;
-        for (int j = 0; j < KB; ++j) t[j] = krow[j] ? _mm512_loadu_si512(krow[j] + c * 32) : zero;
-        transpose16(t);
-      }
-      for (int jp = 0; jp < KB / 2; ++jp)
-        for (int64_t c = 0; c < D / 32; ++c) {
-          __m512i a = vrow[2 * jp] ? _mm512_loadu_si512(vrow[2 * jp] + c * 32) : zero;
-          __m512i b = vrow[2 * jp + 1] ? _mm512_loadu_si512(vrow[2 * jp + 1] + c * 32) : zero;
-          vp[sb][jp * Z + 2 * c] = _mm512_unpacklo_epi16(a, b);
-          vp[sb][jp * Z + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
-        }
-    }
+    int nk[SB];
+    int nsb = 0;
+    for (; nsb < SB && kb0 + nsb * KB < it.k1; ++nsb)
+      nk[nsb] = load_block(kh, vh, srow, kb0 + nsb * KB, it.k1, D, kt[nsb], vp[nsb]);
     for (int64_t r0 = 0; r0 < R; r0 += 16) {
       for (int sb = 0; sb < nsb; ++sb) {
         _tile_zero(0);
@@ -389,12 +388,10 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
         __m512 vmax = _mm512_set1_ps(NEG_INF);
         bool any = false;
         for (int sb = 0; sb < nsb; ++sb) {
-          const int64_t kb = kb0 + sb * KB;
           int64_t hidden, visible;
-          mask[sb] = 0;
-          if (row_lanes(low[r], lim[r], kb, static_cast<int>(std::min<int64_t>(KB, it.k1 - kb)),
-                        hidden, visible))
-            mask[sb] = static_cast<__mmask16>(((1u << visible) - 1) & ~((1u << hidden) - 1));
+          mask[sb] = row_lanes(low[r], lim[r], kb0 + sb * KB, nk[sb], hidden, visible)
+                         ? lane_mask(hidden, visible)
+                         : __mmask16(0);
           any |= mask[sb] != 0;
           x[sb] = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_INF), mask[sb],
                                      _mm512_mul_ps(_mm512_load_ps(sc[sb] + (r - r0) * 16),
@@ -414,16 +411,7 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
           _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r] + sb * KB),
                              (__m256i)_mm512_cvtneps_pbh(p));
         }
-        const float corr = m[r] == mx         ? 1.f
-                           : m[r] == NEG_INF ? 0.f
-                                             : _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[r] - mx)));
-        l[r] = l[r] * corr + _mm512_reduce_add_ps(sum);
-        m[r] = mx;
-        if (corr != 1.f) {
-          float* o = O + r * D;
-          for (int64_t z = 0; z < Z; ++z)
-            _mm512_storeu_ps(o + z * 16, _mm512_mul_ps(_mm512_loadu_ps(o + z * 16), _mm512_set1_ps(corr)));
-        }
+        online_update(m[r], l[r], mx, _mm512_reduce_add_ps(sum), O + r * D, D);
       }
       for (int64_t z = 0; z < Z; ++z) {  // O += P V for these 16 rows
         _tile_loadd(3, O + r0 * D + z * 16, D * 4);
