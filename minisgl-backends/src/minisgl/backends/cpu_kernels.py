@@ -71,18 +71,22 @@ _state: bool | None = None
 _lock = threading.Lock()
 
 
+def cpu_flags() -> list[str]:
+    """The CPU's instruction-set flags (/proc/cpuinfo), sorted; empty where unknown."""
+    if platform.system() != "Linux":
+        return []
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next(x for x in f if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return sorted(line.split(":", 1)[1].split())
+
+
 def _cache_dir() -> Path:
-    flags = ""
-    if platform.system() == "Linux":
-        try:
-            with open("/proc/cpuinfo") as f:
-                line = next(x for x in f if x.startswith("flags"))
-            flags = " ".join(sorted(line.split(":", 1)[1].split()))
-        except (OSError, StopIteration):
-            pass
     key = hashlib.sha256("\n".join(
         [*(source.read_text() for source in (*SOURCES, *HEADERS)), torch.__version__,
-         platform.machine(), flags,
+         platform.machine(), " ".join(cpu_flags()),
          *CFLAGS, *LDFLAGS]).encode())
     root = Path(os.environ.get("MINISGL_EXT_DIR", Path.home() / ".cache" / "minisgl" / "ext"))
     return root / key.hexdigest()[:16]

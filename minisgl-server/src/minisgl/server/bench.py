@@ -429,11 +429,9 @@ class LlamaCppSystem:
 
 
 def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_int8" in next(x for x in f if x.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return False
+    from minisgl.backends import cpu_kernels
+
+    return "amx_int8" in cpu_kernels.cpu_flags()
 
 
 def _llama_cpp_extra_buffers_work(gguf: str, threads: int) -> bool:
