@@ -1,13 +1,15 @@
 """HF transformers as the independent reference, and small helpers to drive the engine.
 
 Everything here runs in float32. The HF models use the eager attention implementation so the
-reference does not share the engine's scaled_dot_product_attention path.
+reference does not share the engine's scaled_dot_product_attention path. HF always runs on the
+CPU; the engine runs on ``MINISGL_TEST_DEVICE`` (default cpu; tests/gpu/run.sh sets cuda).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +22,8 @@ from minisgl.core.engine import Engine
 from minisgl.core.request import Batch, Req
 from minisgl.core.sampling_params import SamplingParams
 from minisgl.core.scheduler import Scheduler
+
+DEVICE = os.environ.get("MINISGL_TEST_DEVICE", "cpu")  # where the engines under test run
 
 
 @contextlib.contextmanager
@@ -109,6 +113,7 @@ def make_engine(path: str | Path, backend: str, **kw: Any) -> Engine:
     kw.setdefault("page_size", 16)
     kw.setdefault("num_pages", 4096 // kw["page_size"] + 1)
     kw.setdefault("dtype", "float32")
+    kw.setdefault("device", DEVICE)
     return Engine(EngineConfig(model=str(path), attention_backend=backend, **kw))
 
 
@@ -153,7 +158,7 @@ def record_logits(engine: Engine) -> Iterator[list[tuple[list[int], torch.Tensor
         assert logits.shape[0] == len(rows), "logits rows != sampled requests of the batch"
         # overlap scheduling: tokens of the previous step are placeholders until it is collected
         rows = [[t if t >= 0 else engine.resolve(t) for t in ids] for ids in rows]
-        records.extend(zip(rows, logits.detach().clone()))
+        records.extend(zip(rows, logits.detach().to("cpu", copy=True)))
         return logits
 
     engine.prepare, engine.forward = prepare, forward  # type: ignore[method-assign]

@@ -26,6 +26,7 @@ from minisgl.core.scheduler import Scheduler
 
 from .conftest import SPEC_BY_NAME, VOCAB, TinySpec
 from .reference import (
+    DEVICE,
     assert_all_free,
     explain_mismatch,
     greedy,
@@ -48,7 +49,7 @@ Tiny = tuple[TinySpec, Path]
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, f"shape {tuple(a.shape)} vs HF {tuple(b.shape)}"
-    return float((a.float() - b.float()).abs().max())
+    return float((a.float().cpu() - b.float()).abs().max())
 
 
 def test_sharded_checkpoint_is_sharded(tiny_dirs: dict[str, Path]) -> None:
@@ -145,7 +146,7 @@ def test_greedy_32_tokens_match_hf_generate(tiny: Tiny, attention_backend: str, 
                                             max_prefill_tokens: int) -> None:
     """8 prompts in one generate() call == HF generate(do_sample=False) per prompt, alone."""
     spec, path = tiny
-    llm = LLM(model=str(path), dtype="float32", attention_backend=attention_backend,
+    llm = LLM(model=str(path), dtype="float32", device=DEVICE, attention_backend=attention_backend,
               page_size=page_size, num_pages=4096 // page_size + 1,
               max_prefill_tokens=max_prefill_tokens)
     outs = llm.generate(PROMPTS, greedy(GREEDY_TOKENS))

@@ -11,7 +11,7 @@ import pytest
 from minisgl.core import LLM, SamplingParams
 from minisgl.core.scheduler import Scheduler
 
-from .reference import assert_all_free, hf_greedy, make_prompts, submit
+from .reference import DEVICE, assert_all_free, hf_greedy, make_prompts, submit
 
 SPEC = "llama-gqa-untied-llama3"
 LENGTHS = [5, 17, 33, 2, 40, 9, 26, 12]
@@ -21,7 +21,7 @@ def run(path: Path, backend: str, prompts: list[list[int]], params: list[Samplin
         **kw: Any) -> tuple[list[list[int]], list[str], Scheduler]:
     kw.setdefault("page_size", 4)
     kw.setdefault("num_pages", 200)
-    llm = LLM(model=str(path), dtype="float32", attention_backend=backend, **kw)
+    llm = LLM(model=str(path), dtype="float32", device=DEVICE, attention_backend=backend, **kw)
     outs = llm.generate(prompts, params)
     llm.scheduler.close()
     assert_all_free(llm.engine, llm.scheduler)
@@ -74,7 +74,7 @@ def test_no_token_after_finish_and_no_page_freed_in_flight(tiny_dirs: dict[str, 
                                                            attention_backend: str) -> None:
     """Drive the overlapped scheduler by hand and watch every event and every page free."""
     path = tiny_dirs[SPEC]
-    llm = LLM(model=str(path), dtype="float32", attention_backend=attention_backend,
+    llm = LLM(model=str(path), dtype="float32", device=DEVICE, attention_backend=attention_backend,
               page_size=2, num_pages=27, max_prefill_tokens=16, overlap=True)
     sched = llm.scheduler
     page = sched.config.page_size

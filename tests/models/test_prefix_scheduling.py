@@ -33,6 +33,7 @@ from minisgl.core.scheduler import Scheduler
 
 from .conftest import VOCAB
 from .reference import (
+    DEVICE,
     assert_all_free,
     explain_mismatch,
     greedy,
@@ -80,7 +81,7 @@ def new_scheduler(engine: Engine) -> Scheduler:
 def new_llm(path: Path, backend: str, page_size: int, num_pages: int, **kw: Any) -> LLM:
     """An LLM whose generate() fails, instead of hanging, if the scheduler stops making progress
     (its loop has no step limit of its own)."""
-    llm = LLM(model=str(path), dtype="float32", attention_backend=backend, page_size=page_size,
+    llm = LLM(model=str(path), dtype="float32", device=DEVICE, attention_backend=backend, page_size=page_size,
               num_pages=num_pages, **kw)
     _OPEN.append(llm)
     scheduler, steps = llm.scheduler, itertools.count(1)
@@ -346,7 +347,7 @@ def test_fully_cached_prompt_recomputes_one_page(tiny_dirs: dict[str, Path],
     assert batch.extend_lens == [page_size] and batch.sample == [True]
     logits = engine.forward(engine.prepare(batch))
     ref = hf_logits(path, prompt)[-1]
-    assert float((logits[0] - ref).abs().max()) <= ATOL
+    assert float((logits[0].cpu() - ref).abs().max()) <= ATOL
     assert int(logits[0].argmax()) == want(path, prompt, 1)[0]
     run_to_completion(scheduler, MAX_STEPS)  # schedules the same prefill again, then decodes
     check_outputs(path, [req], "second time")

@@ -103,6 +103,9 @@ def peak_rss_mib() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
+CPU = torch.device("cpu")
+
+
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -110,21 +113,28 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------- machine and ceilings
 
 
-def machine_info(dtype: torch.dtype) -> dict[str, Any]:
+def machine_info(dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
     from minisgl.backends import cpu_kernels
 
-    kernels = torch.ops.minisgl_cpu.linear_isa() if cpu_kernels.load() else "none"
-    return {"cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    info = {"cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
-            "device": "cpu", "load_average_1m": round(os.getloadavg()[0], 2),
-            "cpu_kernels": kernels}
+            "device": str(device), "load_average_1m": round(os.getloadavg()[0], 2)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        info["cpu_kernels"] = torch.ops.minisgl_cpu.linear_isa() if cpu_kernels.load() else "none"
+    return info
 
 
 def _times(fn: Callable[[], object], reps: int) -> list[float]:
+    """Wall seconds of each of ``reps`` calls; work queued on a GPU counts (synchronized)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
     times = []
     for _ in range(reps):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return times
 
@@ -134,31 +144,34 @@ def _best_time(fn: Callable[[], object], reps: int) -> float:
     return min(_times(fn, reps))
 
 
-def _matmul_flops(dtype: torch.dtype, n: int = 2048) -> float:
+def _matmul_flops(dtype: torch.dtype, device: torch.device, n: int = 2048) -> float:
     """Best of ten n x n matmuls, in FLOP/s; where a 512 x 512 one is slow (bf16 on a CPU
-    without bf16 instructions: ~1 GFLOP/s per thread, a minute per 2048 product) that one."""
-    a, b = torch.randn(512, 512, dtype=dtype), torch.randn(512, 512, dtype=dtype)
+    without bf16 instructions: ~1 GFLOP/s per thread, a minute per 2048 product) that one.
+    GPUs multiply 8192 x 8192 (a 2048 product is over before the GPU is busy)."""
+    if device.type == "cuda":
+        n = 8192
+    a, b = (torch.randn(512, 512, dtype=dtype, device=device) for _ in range(2))
     t = _best_time(lambda: a @ b, 1)
     if t * (n / 512) ** 3 > 2.0:
         return 2 * 512 ** 3 / t
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
     return 2 * n ** 3 / _best_time(lambda: a @ b, 10)
 
 
-def measure_ceilings(dtype: torch.dtype) -> dict[str, float]:
+def measure_ceilings(dtype: torch.dtype, device: torch.device) -> dict[str, float]:
     """Peak matmul FLOP/s (n=2048) in bf16 and float32, and memory read bandwidth (256 MB
-    float32 sum). ``matmul_flops`` is the one of ``dtype``, the run's: fractions use it. For
-    bf16 it is the larger of the two: a CPU without bf16 instructions (AVX2) multiplies bf16
-    in float32 (the engine's kernels do), while PyTorch's own bf16 matmul there falls back to a
-    path ~40x slower than the float32 one (Zen 3: 1.3 vs 49 GFLOP/s per thread), not a ceiling
-    of the machine."""
+    float32 sum; 4 GB on a GPU), on the run's device. ``matmul_flops`` is the one of ``dtype``,
+    the run's: fractions use it. For bf16 on a CPU it is the larger of the two: a CPU without
+    bf16 instructions (AVX2) multiplies bf16 in float32 (the engine's kernels do), while
+    PyTorch's own bf16 matmul there falls back to a path ~40x slower than the float32 one (Zen 3:
+    1.3 vs 49 GFLOP/s per thread), not a ceiling of the machine."""
     out: dict[str, float] = {}
     for dt in (torch.bfloat16, torch.float32):
-        out[f"matmul_flops_{str(dt).removeprefix('torch.')}"] = _matmul_flops(dt)
+        out[f"matmul_flops_{str(dt).removeprefix('torch.')}"] = _matmul_flops(dt, device)
     out["matmul_flops"] = out[f"matmul_flops_{str(dtype).removeprefix('torch.')}"]
-    if dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 and device.type == "cpu":
         out["matmul_flops"] = max(out["matmul_flops"], out["matmul_flops_float32"])
-    x = read_probe(256 << 20)
+    x = read_probe((4 << 30) if device.type == "cuda" else (256 << 20), device)
     out["mem_read_bytes_per_s"] = x.numel() * x.element_size() / _best_time(x.sum, 10)
     return out
 
@@ -166,12 +179,14 @@ def measure_ceilings(dtype: torch.dtype) -> dict[str, float]:
 READ_PROBE_BYTES = 128 << 20  # 4x the 32 MB L3 of the host measured (the ceiling reads 256 MB)
 
 
-def read_probe(nbytes: int) -> torch.Tensor:
+def read_probe(nbytes: int, device: torch.device) -> torch.Tensor:
     """float32 ones to sum for a read speed, in the memory the CPU kernels keep packed weights in
     (2 MiB pages where Linux grants them: a 128 MB sum read 0-7% faster there than in 4 KiB
     pages on Zen 3), so that the floor is the machine's best read, not a page-size handicap."""
     from minisgl.backends import cpu_kernels
 
+    if device.type != "cpu":
+        return torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     if cpu_kernels.load():
         probe: torch.Tensor = torch.ops.minisgl_cpu.weight_zeros([nbytes // 4], torch.float32)
         return probe.fill_(1)
@@ -320,11 +335,12 @@ class _TokenClock:
 class HFSystem:
     name = "hf"
 
-    def __init__(self, model_dir: str, dtype: torch.dtype, pad_id: int, batch_size: int) -> None:
+    def __init__(self, model_dir: str, dtype: torch.dtype, pad_id: int, batch_size: int,
+                 device: torch.device = CPU) -> None:
         from transformers import AutoModelForCausalLM
 
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        self.model = model.eval()
+        self.model, self.device = model.to(device).eval(), device
         self.pad_id, self.batch_size = pad_id, batch_size
 
     def _left_padded(self, prompts: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,6 +355,7 @@ class HFSystem:
     def _generate(self, ids: torch.Tensor, mask: torch.Tensor, n: int, streamer: Any = None) -> int:
         """Greedy, exactly n new tokens (min_new_tokens keeps EOS from ending it: ignore_eos)."""
         with torch.inference_mode():
+            ids, mask = ids.to(self.device), mask.to(self.device)
             out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                                       max_new_tokens=n, min_new_tokens=n, pad_token_id=self.pad_id,
                                       streamer=streamer)
@@ -498,13 +515,14 @@ def bench_burst(systems: Sequence[System], ids: Sequence[int], scale: float, rep
 
 
 def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, repeats: int,
-                  seed: int, cost: ModelCost, ceilings: dict[str, float]) -> list[Row]:
+                  seed: int, cost: ModelCost, ceilings: dict[str, float],
+                  device: torch.device = CPU) -> list[Row]:
     plen, n_out, long_len = _scaled(128, scale), max(2, _scaled(128, scale)), _scaled(1024, scale)
     decode_ceiling_ms = cost.decode_bytes() / ceilings["mem_read_bytes_per_s"] * 1e3
     prefill_ceiling = long_len / (cost.prefill_flops(0, long_len) / ceilings["matmul_flops"])
     runs: dict[str, dict[str, list[float]]] = {
         s.name: {"decode": [], "ttft": [], "prefill": [], "read": []} for s in systems}
-    probe = read_probe(READ_PROBE_BYTES)
+    probe = read_probe(READ_PROBE_BYTES, device)
     for r in range(repeats):  # systems interleaved within each repeat: they share the noise
         rng = random.Random(f"latency/{seed}/{r}")  # fresh prompts per repeat: no cache hits
         prompt, long_prompt = random_prompt(rng, ids, plen), random_prompt(rng, ids, long_len)
@@ -614,8 +632,9 @@ def plot(rows: Sequence[Row], path: str, title: str) -> None:
 
 def machine_line(info: dict[str, Any], ceilings: dict[str, float]) -> str:
     return (f"machine: {info['cores']} cores, {info['torch_threads']} torch threads, "
-            f"dtype {info['dtype']}, torch {info['torch']}, kernels {info['cpu_kernels']}, "
-            f"load {info['load_average_1m']}; ceilings: "
+            f"dtype {info['dtype']}, torch {info['torch']}, "
+            + (f"GPU {info['gpu']}, " if "gpu" in info else f"kernels {info['cpu_kernels']}, ")
+            + f"load {info['load_average_1m']}; ceilings: "
             f"{ceilings['matmul_flops'] / 1e9:.0f} GFLOP/s matmul ("
             + ", ".join(f"{k.removeprefix('matmul_flops_')} {v / 1e9:.0f}"
                         for k, v in ceilings.items() if k.startswith("matmul_flops_"))
@@ -678,7 +697,7 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
         tok: Any = llm.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else llm.engine.model_config.eos_token_ids[0]
         systems.append(HFSystem(llm.engine.model_config.path, llm.engine.dtype, int(pad),
-                                args.hf_batch_size))
+                                args.hf_batch_size, llm.engine.device))
     return llm, systems
 
 
@@ -706,7 +725,7 @@ def _run_workloads(args: argparse.Namespace, workloads: Sequence[str], systems: 
                     rows += bench_online(args, s, list(ids))
         else:
             rows += bench_latency(systems, ids, args.scale, args.repeats or 3, args.data_seed,
-                                  cost, ceilings)
+                                  cost, ceilings, torch.device(args.device))
     return rows
 
 
@@ -730,12 +749,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.data_seed)
     llm, systems = _load_systems(args)
-    info = machine_info(llm.engine.dtype)
+    info = machine_info(llm.engine.dtype, llm.engine.device)
     for s in systems:
         if isinstance(s, LlamaCppSystem):
             info["llama_cpp_extra_buffers"] = s.extra_buffers
     log("measuring ceilings (matmul, memory read)")
-    ceilings = measure_ceilings(llm.engine.dtype)
+    ceilings = measure_ceilings(llm.engine.dtype, llm.engine.device)
     print(machine_line(info, ceilings), flush=True)
     cost = ModelCost.from_config(llm.engine.model_config, llm.engine.dtype,
                                  llm.engine.config.quantization)
