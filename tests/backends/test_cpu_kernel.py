@@ -215,6 +215,47 @@ def test_decode_over_shared_prefixes_matches_float64(kv_heads: int, group: int,
     assert (out.double() - ref).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"),
+                         [(3, 3, 64), (1, 8, 32), (2, 2, 128), (1, 2, 256)])
+def test_extend_over_shared_prefixes_matches_float64(kv_heads: int, group: int,
+                                                     head_dim: int) -> None:
+    """Prefill and extend requests whose slot rows start alike (a radix-cached prefix) in one
+    batch: on AMX tiles the kernel loads each distinct key block once for the batch. Shared
+    prefixes of 48 keys (3 blocks: the pair of blocks 2-3 is one shared and one own block), 64
+    (a pair boundary), 40 (a block half shared: not the same block), a request that is
+    another's prefix exactly, and odd and even block counts at the end."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    gen = torch.Generator().manual_seed(2)
+    pool, lk = 8192, 260
+    # (shared slots, [(queries, kv_len) of each member])
+    groups = [(48, [(20, 68), (60, 108), (1, 49), (16, 250)]),
+              (64, [(64, 128), (5, 69), (33, 97)]),
+              (40, [(24, 64), (40, 80)]),
+              (100, [(100, 100), (36, 136), (4, 104)]),
+              (0, [(70, 70)])]
+    perm = torch.randperm(pool - 1, generator=gen) + 1
+    used, rows, lens = 0, [], []
+    for shared, members in groups:
+        common = perm[used: used + shared]
+        used += shared
+        for n, kv_len in members:
+            own = perm[used: used + lk - shared]
+            used += lk - shared
+            rows.append(torch.cat([common, own]))
+            lens.append((n, kv_len))
+    order = torch.randperm(len(rows), generator=gen)
+    slots = torch.stack(rows)[order].contiguous()
+    q_lens = [lens[i][0] for i in order.tolist()]
+    kv_lens = [lens[i][1] for i in order.tolist()]
+    k = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
+    v = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
+    q = (2 * torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen)).bfloat16()
+    scale = 1 / math.sqrt(head_dim)
+    out = _attend(q, k, v, slots, kv_lens, q_lens, scale)
+    ref = reference(q, k, v, slots, kv_lens, q_lens, scale)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(("phase", "prefix_lens", "new_lens"), [
     ("prefill", [0, 0, 0], [1, 17, 40]),

@@ -21,7 +21,8 @@
 // sees keys of its own range). The AVX2 build (no bf16 dot product) runs the same items and
 // blocks in float32: K widened once per block, P not rounded (see run_item there), except
 // that an item of one decode query runs two passes over its keys instead (run_decode). Where
-// AMX tiles run (cpu_linear.cpp), items of 16 rows or more multiply on them (run_item_amx).
+// AMX tiles run (cpu_linear.cpp), items of 16 rows or more multiply on them (run_item_amx),
+// and a prefill or extend batch loads each distinct key block once for all its items (Blocks).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -35,6 +36,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #include "kernels.h"
@@ -323,33 +325,57 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
 
 #if MINISGL_ATTN_AMX
 // Items of 16 rows or more (prefill, extend, a shared prefix's decode queries) on AMX tiles,
-// 16 rows at a time and 4 key blocks (64 keys) per softmax step: per block the transposed keys
-// kt and the key pairs vp (load_block); the scores of each block by tdpbf16ps of the
-// rows' queries (copied once into a zero-padded [16 n, D] buffer: a tile reads rows at one
-// stride) with kt, whose 64-byte lines are the tile's rows as they stand; one online-softmax
-// update per row for the 64 scores (run_item's, per 16, cost more than the products on
-// tiles); then O += P V by tdpbf16ps of P (16 rows x 16 keys per block) with vp (8 rows of 64
-// bytes per 16 dims), each 16 x 16 tile of O loaded once and stored once per step. O and the
-// running max and sum as run_item's; O needs room for R rounded up to 16 rows.
-constexpr int SB = 4;  // key blocks per step
+// 16 rows at a time and 4 key blocks (64 keys) per softmax step. Every tile is 16 rows of 64
+// bytes. Per step: the blocks' transposed keys kt and key pairs vp (load_block, vp laid out so
+// that two neighbouring blocks' 8 pairs each are one 16-row tile); the scores of the 4 blocks
+// in 4 accumulator tiles at once (tdpbf16ps of the rows' queries, copied once into a
+// zero-padded [16 n, D] buffer and held in tiles per 16 rows, with kt, whose 64-byte lines are
+// a tile's rows as they stand); one online-softmax update per row for the 64 scores (run_item's,
+// per 16, cost more than the products on tiles); then O += P V, 32 keys per tdpbf16ps (P of
+// two blocks against their 16 key pairs), into up to 4 accumulator tiles of 16 dims each, so
+// consecutive products do not wait for each other. O and the running max and sum as
+// run_item's; O needs room for R rounded up to 16 rows.
+constexpr int SB = 4;  // key blocks per step (even: P V takes them two by two)
+constexpr int ZT = 4;  // O's tiles in flight: 16 dims each, D / 16 of them in D / 64 passes
 
-// Tiles: 0 scores, 1 queries, 2 keys, 3 O, 4 P, 5 V.
+// Tiles 0-3: scores of 4 blocks, then O; 4, 5: query dims 0-31, 32-63 (then P and V); 6, 7: K.
 inline void attn_tiles_begin() {
   minisgl::TileConfig c;
-  for (int t = 0; t < 4; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-  c.rows[4] = 16, c.colsb[4] = KB * 2;  // P: 16 keys of bf16
-  c.rows[5] = KB / 2, c.colsb[5] = 64;  // V: 8 key pairs x 16 dims
+  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
   _tile_loadconfig(&c);
 }
+
+// Runs X(n) for tile n = t of the 4 score/O tiles (the tile intrinsics take literal numbers).
+#define MINISGL_TILE4(t, X) \
+  switch (t) {             \
+    case 0: X(0); break;   \
+    case 1: X(1); break;   \
+    case 2: X(2); break;   \
+    default: X(3);         \
+  }
+
+// The key blocks of a prefill or extend batch loaded once (load_block) for all its items, not
+// once per item: in a 1024-token prefill each block is seen by 32 query blocks on average, and
+// requests that share a cached prefix (the same slots) share its blocks. Block j of request b
+// (keys 16 j ..) is unique block id[b * nb + j]; kt and vp of unique block u, kv head h at
+// (h * n + u) * D / 2 and (h * n + u) * 8 D / 16; a request's own blocks are consecutive, so
+// that two neighbours' key pairs are one 16-row tile of vp. Items of such batches start at key
+// 0 (no window, no split-K), so the blocks of an item's steps are blocks of its request.
+struct Blocks {
+  int64_t nb = 0, n = 0;  // blocks per request (row of id), unique blocks
+  std::vector<int32_t> id;
+  const __m512i* kt = nullptr;  // in memory kept by the calling thread for its next calls
+  const __m512i* vp = nullptr;
+};
 
 void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
                   const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
                   int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
                   int64_t S, int64_t G, int64_t D, float scale, int64_t window, float* O,
-                  float* m, float* l) {
+                  float* m, float* l, const Blocks* blocks) {
   const int64_t R = it.nq * G, R16 = (R + 15) / 16 * 16, Z = D / 16;
   alignas(64) static thread_local __m512i kt[SB][MAXD / 2];
-  alignas(64) static thread_local __m512i vp[SB][KB / 2 * MAXD / 16];
+  alignas(64) static thread_local __m512i vp[SB * KB / 2 * MAXD / 16];  // block sb at sb * 8 Z
   alignas(64) static thread_local uint16_t pb[QB * 8][SB * KB];  // P of each row, bf16
   alignas(64) static thread_local float sc[SB][16 * 16];          // scores of 16 rows
   static thread_local std::vector<c10::BFloat16> qbuf;
@@ -370,19 +396,74 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
   for (int64_t kb0 = it.k0; kb0 < it.k1; kb0 += SB * KB) {
     int nk[SB];
     int nsb = 0;
-    for (; nsb < SB && kb0 + nsb * KB < it.k1; ++nsb)
-      nk[nsb] = load_block(kh, vh, srow, kb0 + nsb * KB, it.k1, D, kt[nsb], vp[nsb]);
-    for (int64_t r0 = 0; r0 < R; r0 += 16) {
-      for (int sb = 0; sb < nsb; ++sb) {
-        _tile_zero(0);
-        for (int64_t c = 0; c < D / 32; ++c) {
-          _tile_loadd(1, &qbuf[r0 * D + c * 32], D * 2);
-          _tile_loadd(2, kt[sb] + c * 16, 64);
-          _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, sc[sb], 64);
+    const __m512i* ktp[SB];     // each block's transposed keys
+    const __m512i* vpp[SB / 2];  // each pair of blocks' 16 key pairs (16-row tiles)
+    const int32_t* ids = blocks ? blocks->id.data() + it.b * blocks->nb : nullptr;
+    const int64_t base = blocks ? it.h * blocks->n : 0;
+    for (; nsb < SB && kb0 + nsb * KB < it.k1; ++nsb) {
+      const int64_t kb = kb0 + nsb * KB;
+      if (ids == nullptr) {
+        nk[nsb] = load_block(kh, vh, srow, kb, it.k1, D, kt[nsb], vp + nsb * 8 * Z);
+        ktp[nsb] = kt[nsb];
+      } else {
+        nk[nsb] = static_cast<int>(std::min<int64_t>(KB, it.k1 - kb));
+        ktp[nsb] = blocks->kt + (base + ids[kb / KB]) * (D / 2);
       }
-      for (int64_t r = r0; r < std::min(R, r0 + 16); ++r) {
+    }
+    const int npair = (nsb + 1) / 2;  // P V steps of 32 keys; an odd last block's partner is 0
+    for (int pp = 0; pp < npair; ++pp) {
+      vpp[pp] = vp + pp * 16 * Z;
+      if (ids == nullptr) continue;
+      const int64_t j = kb0 / KB + 2 * pp;
+      const __m512i* a = blocks->vp + (base + ids[j]) * 8 * Z;
+      if (2 * pp + 1 == nsb || ids[j + 1] == ids[j] + 1) {  // (past an odd last block: finite
+        vpp[pp] = a;                                       // data or the zero block, P is 0)
+      } else {  // a shared prefix's last block and the request's first: not neighbours
+        const __m512i* b = blocks->vp + (base + ids[j + 1]) * 8 * Z;
+        std::copy(a, a + 8 * Z, vp + pp * 16 * Z);
+        std::copy(b, b + 8 * Z, vp + pp * 16 * Z + 8 * Z);
+      }
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += 16) {
+#define MINISGL_ZERO(n) _tile_zero(n)
+      for (int sb = 0; sb < nsb; ++sb) MINISGL_TILE4(sb, MINISGL_ZERO)
+      for (int64_t c = 0; c < D / 32; c += 2) {  // 64 dims per pass: queries in tiles 4, 5
+        _tile_loadd(4, &qbuf[r0 * D + c * 32], D * 2);
+        if (c + 1 < D / 32) _tile_loadd(5, &qbuf[r0 * D + (c + 1) * 32], D * 2);
+#define MINISGL_QK(n)                             \
+  _tile_loadd(6, ktp[sb] + c * 16, 64);           \
+  _tile_dpbf16ps(n, 4, 6);                        \
+  if (c + 1 < D / 32) {                           \
+    _tile_loadd(7, ktp[sb] + (c + 1) * 16, 64);   \
+    _tile_dpbf16ps(n, 5, 7);                      \
+  }
+        for (int sb = 0; sb < nsb; ++sb) MINISGL_TILE4(sb, MINISGL_QK)
+      }
+#define MINISGL_SCORES(n) _tile_stored(n, sc[sb], 64)
+      for (int sb = 0; sb < nsb; ++sb) MINISGL_TILE4(sb, MINISGL_SCORES)
+      // Rows that see all 64 keys of the step (prefill and extend away from the diagonal, a
+      // shared prefix's decode queries) skip the per-block lane masks.
+      const int64_t r1 = std::min(R, r0 + 16);
+      bool full = nsb == SB && nk[SB - 1] == KB;
+      for (int64_t r = r0; full && r < r1; ++r) full = low[r] <= kb0 && lim[r] >= kb0 + SB * KB;
+      for (int64_t r = r0; full && r < r1; ++r) {
+        __m512 x[SB];
+        __m512 vmax = _mm512_set1_ps(NEG_INF);
+        for (int sb = 0; sb < SB; ++sb) {
+          x[sb] = _mm512_mul_ps(_mm512_load_ps(sc[sb] + (r - r0) * 16), _mm512_set1_ps(scale));
+          vmax = _mm512_max_ps(vmax, x[sb]);
+        }
+        const float mx = std::max(m[r], _mm512_reduce_max_ps(vmax));
+        __m512 sum = _mm512_setzero_ps();
+        for (int sb = 0; sb < SB; ++sb) {
+          const __m512 p = exp16(_mm512_sub_ps(x[sb], _mm512_set1_ps(mx)));
+          sum = _mm512_add_ps(sum, p);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r] + sb * KB),
+                             (__m256i)_mm512_cvtneps_pbh(p));
+        }
+        online_update(m[r], l[r], mx, _mm512_reduce_add_ps(sum), O + r * D, D);
+      }
+      for (int64_t r = r0; !full && r < r1; ++r) {
         __m512 x[SB];
         __mmask16 mask[SB];
         __m512 vmax = _mm512_set1_ps(NEG_INF);
@@ -411,21 +492,99 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
           _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r] + sb * KB),
                              (__m256i)_mm512_cvtneps_pbh(p));
         }
+        if (nsb % 2) std::memset(pb[r] + nsb * KB, 0, KB * 2);
         online_update(m[r], l[r], mx, _mm512_reduce_add_ps(sum), O + r * D, D);
       }
-      for (int64_t z = 0; z < Z; ++z) {  // O += P V for these 16 rows
-        _tile_loadd(3, O + r0 * D + z * 16, D * 4);
-        for (int sb = 0; sb < nsb; ++sb) {
-          _tile_loadd(4, pb[r0] + sb * KB, SB * KB * 2);
-          _tile_loadd(5, vp[sb] + z, Z * 64);
-          _tile_dpbf16ps(3, 4, 5);
+      for (int64_t z0 = 0; z0 < Z; z0 += ZT) {  // O += P V for these rows, ZT x 16 dims at once
+        const int nz = static_cast<int>(std::min<int64_t>(ZT, Z - z0));
+#define MINISGL_OLOAD(n) _tile_loadd(n, O + r0 * D + (z0 + zt) * 16, D * 4)
+        for (int zt = 0; zt < nz; ++zt) MINISGL_TILE4(zt, MINISGL_OLOAD)
+        for (int pp = 0; pp < npair; ++pp) {
+          _tile_loadd(4, pb[r0] + pp * 2 * KB, SB * KB * 2);
+#define MINISGL_PV(n, vt)                                    \
+  _tile_loadd(vt, vpp[pp] + z0 + zt, Z * 64);              \
+  _tile_dpbf16ps(n, 4, vt)
+#define MINISGL_PV_EVEN(n) MINISGL_PV(n, 5)
+#define MINISGL_PV_ODD(n) MINISGL_PV(n, 6)
+          for (int zt = 0; zt < nz; ++zt) {  // V alternates between tiles 5 and 6
+            if (zt % 2) {
+              MINISGL_TILE4(zt, MINISGL_PV_ODD)
+            } else {
+              MINISGL_TILE4(zt, MINISGL_PV_EVEN)
+            }
+          }
         }
-        _tile_stored(3, O + r0 * D + z * 16, D * 4);
+#define MINISGL_OSTORE(n) _tile_stored(n, O + r0 * D + (z0 + zt) * 16, D * 4)
+        for (int zt = 0; zt < nz; ++zt) MINISGL_TILE4(zt, MINISGL_OSTORE)
       }
     }
   }
   _tile_release();
 }
+
+// Fills blocks for the batch's requests (kv_lens kl): unique blocks in order of first use.
+void build_blocks(Blocks& blocks, const at::Tensor& k, const at::Tensor& v, const int64_t* slots,
+                  int64_t Lk, const int64_t* kl, int64_t B, int64_t KVH, int64_t D) {
+  int64_t max_kv = 0;
+  for (int64_t b = 0; b < B; ++b) max_kv = std::max(max_kv, kl[b]);
+  blocks.nb = (max_kv + KB - 1) / KB;
+  blocks.id.assign(B * blocks.nb, -1);
+  std::vector<std::pair<int64_t, int64_t>> first;  // unique block -> (request, block)
+  std::unordered_map<int64_t, std::vector<int32_t>> by_slot;  // a block's first slot -> uniques
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t* srow = slots + b * Lk;
+    for (int64_t j = 0; j * KB < kl[b]; ++j) {
+      const int64_t nk = std::min<int64_t>(KB, kl[b] - j * KB);
+      std::vector<int32_t>& same = by_slot[srow[j * KB]];
+      int32_t u = -1;
+      for (int32_t c : same) {
+        const auto [cb, cj] = first[c];
+        if (std::min<int64_t>(KB, kl[cb] - cj * KB) == nk &&
+            std::equal(srow + j * KB, srow + j * KB + nk, slots + cb * Lk + cj * KB)) {
+          u = c;
+          break;
+        }
+      }
+      if (u < 0) {
+        u = static_cast<int32_t>(first.size());
+        first.emplace_back(b, j);
+        same.push_back(u);
+      }
+      blocks.id[b * blocks.nb + j] = u;
+    }
+  }
+  const int64_t n = blocks.n = static_cast<int64_t>(first.size()), P = D / 2, V = 8 * (D / 16);
+  // reused from call to call (a fresh allocation of megabytes per layer faults its pages in);
+  // one zero block past the last: an odd last block's pair partner (P is 0 there)
+  static thread_local std::vector<__m512i> kt_store, vp_store;
+  if (kt_store.size() < static_cast<size_t>((KVH * n + 1) * P)) kt_store.resize((KVH * n + 1) * P);
+  if (vp_store.size() < static_cast<size_t>((KVH * n + 1) * V)) vp_store.resize((KVH * n + 1) * V);
+  std::fill_n(vp_store.data() + KVH * n * V, V, _mm512_setzero_si512());
+  __m512i* kt = kt_store.data();
+  __m512i* vpairs = vp_store.data();
+  blocks.kt = kt;
+  blocks.vp = vpairs;
+  const int64_t S = k.size(1);
+  const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<c10::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, KVH * n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t hu = begin; hu < end; ++hu) {
+      const int64_t h = hu / n;
+      const auto [b, j] = first[hu % n];
+      load_block(kp + h * S * D, vp + h * S * D, slots + b * Lk, j * KB, kl[b], D, kt + hu * P,
+                 vpairs + hu * V);
+    }
+  });
+}
+#undef MINISGL_TILE4
+#undef MINISGL_ZERO
+#undef MINISGL_QK
+#undef MINISGL_SCORES
+#undef MINISGL_OLOAD
+#undef MINISGL_PV
+#undef MINISGL_PV_EVEN
+#undef MINISGL_PV_ODD
+#undef MINISGL_OSTORE
 #endif
 
 // Dims of the pair order back to the natural order, scaled by inv, as bf16.
@@ -913,9 +1072,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
           items.push_back({b, h, q0, nq, k0, std::min(end, k0 + chunk), parts++});
       }
   }
-  if (max_q > 1) {  // longest first, handed out one at a time: causal blocks differ in cost
-    std::stable_sort(items.begin(), items.end(),
-                     [](const Item& a, const Item& b) { return a.k1 - a.k0 > b.k1 - b.k0; });
+  if (max_q > 1) {
+    // Items of one kv head and one (shared) prefix back to back, so that its keys stay in cache
+    // from one item to the next (a 1024-key prefix of one kv head is 256 KB of blocks, read from
+    // memory per item otherwise: 8 groups of 7 requests extending 64 tokens past their group's
+    // 1024 keys, 17.2 -> 15.4 ms per layer); within them longest first: causal items differ in
+    // cost and are handed out one at a time.
+    auto first = [&](const Item& it) { return sp[it.b * Lk]; };
+    std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+      if (a.h != b.h) return a.h < b.h;
+      if (first(a) != first(b)) return first(a) < first(b);
+      return a.k1 - a.k0 > b.k1 - b.k0;
+    });
   } else {  // decode: requests that start on the same page (a shared prefix) back to back, so
             // its K/V is still in cache for the next one (the threads take neighbouring items)
     auto first = [&](const Item& it) { return sp[it.b * Lk + it.k0]; };
@@ -923,6 +1091,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       return a.h != b.h ? a.h < b.h : first(a) < first(b);
     });
   }
+#if MINISGL_ATTN_AMX
+  Blocks blocks;  // prefill / extend on tiles: every key block loaded once (see Blocks)
+  const bool cached = max_q > 1 && window == 0 && minisgl::amx_usable();
+  if (cached) build_blocks(blocks, k, v, sp, Lk, kl, B, KVH, D);
+  const Blocks* bp = cached ? &blocks : nullptr;
+#endif
   const int64_t stride = G * (D + 2);  // a part: m[G], l[G], O[G, D] (decode: one query)
   std::vector<float> part(parts * stride);
   const auto* qp = q.data_ptr<c10::BFloat16>();
@@ -950,7 +1124,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       // item is one request's split-K part; a shared-prefix item's parts are copied out after)
       if (it.nq * G >= 16 && (it.part < 0 || it.mn > 0) && minisgl::amx_usable())
         run_item_amx(it, qp, kp, vp, sp, Lk, prefix, qs[it.b], members.data(), qs, H, S, G, D,
-                     fscale, window, Ob, mb, lb);
+                     fscale, window, Ob, mb, lb, bp);
       else
 #endif
         run_item(it, qp, kp, vp, sp, Lk, prefix, qs[it.b], members.data(), qs, H, S, G, D,
