@@ -7,8 +7,9 @@
 #    tests/models that take MINISGL_TEST_DEVICE (HF logits and greedy tokens, overlap scheduling,
 #    the radix cache and chunked prefill);
 # 2. `minisgl bench` on CUDA (bf16): offline-mixed and latency vs HF generate on the same GPU,
-#    and the online workload (half-length requests), on SmolLM2-135M's shape with random weights (the real ones do not
-#    travel; speed does not depend on them: every request runs to its max_tokens).
+#    and the online workload (half-length requests), on SmolLM2-135M's shape with random
+#    weights (the real ones do not travel; speed does not depend on them: every request runs
+#    to its max_tokens).
 # Logs and JSON land in $OUT; the last lines printed are the bench tables.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
