@@ -442,37 +442,23 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
 #define MINISGL_SCORES(n) _tile_stored(n, sc[sb], 64)
       for (int sb = 0; sb < nsb; ++sb) MINISGL_TILE4(sb, MINISGL_SCORES)
       // Rows that see all 64 keys of the step (prefill and extend away from the diagonal, a
-      // shared prefix's decode queries) skip the per-block lane masks.
+      // shared prefix's decode queries) take whole blocks: no lane masks to work out.
       const int64_t r1 = std::min(R, r0 + 16);
       bool full = nsb == SB && nk[SB - 1] == KB;
       for (int64_t r = r0; full && r < r1; ++r) full = low[r] <= kb0 && lim[r] >= kb0 + SB * KB;
-      for (int64_t r = r0; full && r < r1; ++r) {
-        __m512 x[SB];
-        __m512 vmax = _mm512_set1_ps(NEG_INF);
-        for (int sb = 0; sb < SB; ++sb) {
-          x[sb] = _mm512_mul_ps(_mm512_load_ps(sc[sb] + (r - r0) * 16), _mm512_set1_ps(scale));
-          vmax = _mm512_max_ps(vmax, x[sb]);
-        }
-        const float mx = std::max(m[r], _mm512_reduce_max_ps(vmax));
-        __m512 sum = _mm512_setzero_ps();
-        for (int sb = 0; sb < SB; ++sb) {
-          const __m512 p = exp16(_mm512_sub_ps(x[sb], _mm512_set1_ps(mx)));
-          sum = _mm512_add_ps(sum, p);
-          _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r] + sb * KB),
-                             (__m256i)_mm512_cvtneps_pbh(p));
-        }
-        online_update(m[r], l[r], mx, _mm512_reduce_add_ps(sum), O + r * D, D);
-      }
-      for (int64_t r = r0; !full && r < r1; ++r) {
+      for (int64_t r = r0; r < r1; ++r) {
         __m512 x[SB];
         __mmask16 mask[SB];
         __m512 vmax = _mm512_set1_ps(NEG_INF);
-        bool any = false;
+        bool any = full;
         for (int sb = 0; sb < nsb; ++sb) {
           int64_t hidden, visible;
-          mask[sb] = row_lanes(low[r], lim[r], kb0 + sb * KB, nk[sb], hidden, visible)
-                         ? lane_mask(hidden, visible)
-                         : __mmask16(0);
+          if (full)
+            mask[sb] = __mmask16(0xFFFF);
+          else
+            mask[sb] = row_lanes(low[r], lim[r], kb0 + sb * KB, nk[sb], hidden, visible)
+                           ? lane_mask(hidden, visible)
+                           : __mmask16(0);
           any |= mask[sb] != 0;
           x[sb] = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_INF), mask[sb],
                                      _mm512_mul_ps(_mm512_load_ps(sc[sb] + (r - r0) * 16),
