@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Run HERE (the development machine) right before tests/gpu/run.sh goes to a GPU machine: builds
-# wheels of the four minisgl packages and of the server's compiled dependencies the GPU image
-# lacks into .whl/, and copies the bundled SmolLM2's config and tokenizer (not its weights: 538 MB
-# is over what travels; run.sh draws random weights of the same shape) into .gpu/. Both folders
-# are git-ignored (.git/info/exclude) and travel with `carry: [".whl", ".gpu"]`.
+# wheels of the four minisgl packages and of the server's dependencies the GPU image lacks (the
+# versions installed here) into .whl/, and copies the bundled SmolLM2's config and tokenizer
+# (not its weights: 538 MB is over what travels; run.sh draws random weights of the same shape)
+# into .gpu/. Both folders are git-ignored (.git/info/exclude) and travel with
+# `carry: [".whl", ".gpu"]`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
@@ -14,7 +15,8 @@ rm -rf .whl .gpu && mkdir -p .whl .gpu/smollm2
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl \
-  msgspec==0.23.0 pyzmq==27.3.0 starlette==1.10.0 uvicorn==0.55.0 httptools==0.9.0
+  $("$PY" -c "from importlib.metadata import version as v
+print(*(f'{n}=={v(n)}' for n in ('msgspec', 'pyzmq', 'starlette', 'uvicorn', 'httptools')))")
 src=$("$PY" -c "from minisgl.core.bundled import resolve_model; print(resolve_model('smollm2'))")
 cp "$src"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu/smollm2/
 du -sh .whl .gpu
