@@ -398,7 +398,9 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
     int nsb = 0;
     const __m512i* ktp[SB];     // each block's transposed keys
     const __m512i* vpp[SB / 2];  // each pair of blocks' 16 key pairs (16-row tiles)
-    const int32_t* ids = blocks ? blocks->id.data() + it.b * blocks->nb : nullptr;
+    const int32_t* ids = blocks && blocks->id[it.b * blocks->nb] >= 0
+                             ? blocks->id.data() + it.b * blocks->nb
+                             : nullptr;
     const int64_t base = blocks ? it.h * blocks->n : 0;
     for (; nsb < SB && kb0 + nsb * KB < it.k1; ++nsb) {
       const int64_t kb = kb0 + nsb * KB;
@@ -508,9 +510,12 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
   _tile_release();
 }
 
-// Fills blocks for the batch's requests (kv_lens kl): unique blocks in order of first use.
+// Fills blocks for the batch's requests whose items run on tiles (at least 16 rows: a mixed
+// step's decode requests, G rows each, load their own), kv_lens kl, q_lens ql: unique blocks
+// in order of first use; the id rows of the others stay -1.
 void build_blocks(Blocks& blocks, const at::Tensor& k, const at::Tensor& v, const int64_t* slots,
-                  int64_t Lk, const int64_t* kl, int64_t B, int64_t KVH, int64_t D) {
+                  int64_t Lk, const int64_t* kl, const int64_t* ql, int64_t B, int64_t G,
+                  int64_t KVH, int64_t D) {
   int64_t max_kv = 0;
   for (int64_t b = 0; b < B; ++b) max_kv = std::max(max_kv, kl[b]);
   blocks.nb = (max_kv + KB - 1) / KB;
@@ -518,6 +523,7 @@ void build_blocks(Blocks& blocks, const at::Tensor& k, const at::Tensor& v, cons
   std::vector<std::pair<int64_t, int64_t>> first;  // unique block -> (request, block)
   std::unordered_map<int64_t, std::vector<int32_t>> by_slot;  // a block's first slot -> uniques
   for (int64_t b = 0; b < B; ++b) {
+    if (std::min<int64_t>(QB, ql[b]) * G < 16) continue;
     const int64_t* srow = slots + b * Lk;
     for (int64_t j = 0; j * KB < kl[b]; ++j) {
       const int64_t nk = std::min<int64_t>(KB, kl[b] - j * KB);
@@ -1080,7 +1086,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 #if MINISGL_ATTN_AMX
   Blocks blocks;  // prefill / extend on tiles: every key block loaded once (see Blocks)
   const bool cached = max_q > 1 && window == 0 && minisgl::amx_usable();
-  if (cached) build_blocks(blocks, k, v, sp, Lk, kl, B, KVH, D);
+  if (cached) build_blocks(blocks, k, v, sp, Lk, kl, ql, B, G, KVH, D);
   const Blocks* bp = cached ? &blocks : nullptr;
 #endif
   const int64_t stride = G * (D + 2);  // a part: m[G], l[G], O[G, D] (decode: one query)
