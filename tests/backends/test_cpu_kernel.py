@@ -362,7 +362,8 @@ def test_int8_linear_in_quant_uses_the_kernel(monkeypatch: pytest.MonkeyPatch) -
     ATen's int8 matmul on plain int8 rows."""
     assert cpu_kernels.load(), cpu_kernels.load_error
     ops = torch.ops.minisgl_cpu
-    assert quant._int8_kernel == (ops.int8_pack.default, ops.int8_linear.default)
+    assert quant._int8_kernel == (ops.int8_pack.default, ops.int8_linear.default,
+                                  ops.int8_linear_silu.default)
     with pytest.raises(ValueError, match="needs its linear"):
         quant.register_int8_linear(ops.int8_pack.default)
     g = torch.Generator().manual_seed(3)
@@ -454,6 +455,115 @@ def test_bf16_linear_matches_float64(rows: int, n: int, k: int) -> None:
         parts = [torch.ops.minisgl_cpu.bf16_linear(part, packed, n)
                  for part in torch.tensor_split(x, rows // 13)]
         assert torch.equal(torch.cat(parts), got)
+
+
+def _silu_mul64(y: torch.Tensor) -> torch.Tensor:
+    g, u = y.chunk(2, dim=-1)
+    return g * torch.sigmoid(g) * u
+
+
+# rows: one and several groups of tile rows (16 for int8, 32 for bf16), padded tails, below
+# int8's 12 rows for tiles; halves: whole blocks of 16 outputs (the tiles' gated form) and not
+# (the linear, then the product), SmolLM2's 1,536
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 13, 16, 33, 300])
+@pytest.mark.parametrize(("half", "k"), [(16, 64), (24, 64), (48, 96), (1536, 576)])
+def test_gated_linear_matches_float64(int8: bool, rows: int, half: int, k: int) -> None:
+    """bf16_linear_silu / int8_linear_silu: silu(x @ gate.T) * (x @ up.T) of a [gate; up]
+    weight, against float64 and against the plain linear's output put through F.silu * up."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    ops = torch.ops.minisgl_cpu
+    gen = torch.Generator().manual_seed(rows * 31 + half)
+    w = torch.randn(2 * half, k, generator=gen) / math.sqrt(k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    if int8:
+        q, s = quant.quantize_rows(w.bfloat16())
+        packed = ops.int8_pack(q)
+        got = ops.int8_linear_silu(x, packed, s, 2 * half)
+        linear = ops.int8_linear(x, packed, s, 2 * half)
+        y64 = _int8_x_reference(x) @ (q.double() * s.double()[:, None]).T
+    else:
+        wb = w.bfloat16()
+        packed = ops.bf16_pack(wb)
+        got = ops.bf16_linear_silu(x, packed, 2 * half)
+        linear = ops.bf16_linear(x, packed, 2 * half)
+        y64 = x.double() @ wb.double().T
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, half)
+    # four roundings to bf16 (g, u, silu(g), the product: 2^-8 relative each), silu's
+    # condition number amplifying g's by up to 1 + |g|
+    want = _silu_mul64(y64)
+    bound = 2.0 ** -8 * (4 + y64[:, :half].abs()) * want.abs() + 1e-6
+    assert bool(((got.double() - want).abs() <= bound).all())
+    # the same bf16 arithmetic as the module path (F.silu on bf16 rounds silu(g) too): equal
+    # but where the kernel's exp and torch's land on either side of a rounding boundary
+    composed = F.silu(linear[:, :half]) * linear[:, half:]
+    differ = got != composed
+    assert differ.float().mean().item() < 1e-3
+    torch.testing.assert_close(got[differ].double(), composed[differ].double(), rtol=2.0 ** -7,
+                               atol=0)
+    wide = torch.zeros(rows, 2 * k, dtype=torch.bfloat16)
+    wide[:, :k] = x
+    again = (ops.int8_linear_silu(wide[:, :k], packed, s, 2 * half) if int8
+             else ops.bf16_linear_silu(wide[:, :k], packed, 2 * half))
+    assert torch.equal(again, got)  # a strided x
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "float"])
+def test_merged_gate_up_uses_the_gated_kernel(fmt: str) -> None:
+    """MergedColumnParallelLinear.silu_mul: one call of the registered gated kernel for layers
+    the kernels hold (eager and compiled), SiluAndMul of the matmul for the others."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    from minisgl.core.distributed import Communicator
+    from minisgl.core.layers import MergedColumnParallelLinear
+
+    ops = torch.ops.minisgl_cpu
+    g = torch.Generator().manual_seed(5)
+    layer = MergedColumnParallelLinear(64, [48, 48], False, Communicator())
+    layer.weight.data = (torch.randn(96, 64, generator=g) / 8).bfloat16()
+    ref = layer.weight.detach().clone()
+    if fmt == "bf16":
+        layer.prepack()
+        assert layer.gated_linear is ops.bf16_linear_silu.default
+    elif fmt == "int8":
+        layer.quantize_int8()
+        assert layer.gated_qlinear is ops.int8_linear_silu.default
+    x = torch.randn(2, 21, 64, generator=g).bfloat16()
+    got = layer.silu_mul(x)
+    assert got.shape == (2, 21, 48)
+    flat = x.reshape(-1, 64)
+    if fmt == "bf16":
+        want = ops.bf16_linear_silu(flat, ops.bf16_pack(ref), 96)
+    elif fmt == "int8":
+        q, sc = quant.quantize_rows(ref)
+        want = ops.int8_linear_silu(flat, ops.int8_pack(q), sc, 96)
+    else:
+        assert layer.gated_matmul(x) is None
+        y = F.linear(flat, ref)
+        want = F.silu(y[:, :48]) * y[:, 48:]
+    assert torch.equal(got, want.reshape(2, 21, 48))
+    compiled = torch.compile(layer.silu_mul, dynamic=True, fullgraph=True)
+    if fmt != "float":  # (Inductor's own SiLU need not round as eager does)
+        assert torch.equal(compiled(x), got)
+
+
+def test_gated_linear_bad_inputs_are_refused() -> None:
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    ops = torch.ops.minisgl_cpu
+    packed = ops.bf16_pack(torch.zeros(32, 8, dtype=torch.bfloat16))
+    x = torch.zeros(3, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.bf16_linear_silu(torch.zeros(3, 10, dtype=torch.bfloat16), packed, 32)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.bf16_linear_silu(x, packed, 40)
+    with pytest.raises(RuntimeError, match="even"):
+        ops.bf16_linear_silu(x, packed, 31)
+    with pytest.raises(RuntimeError, match="bf16"):
+        ops.bf16_linear_silu(x.float(), packed, 32)
+    with pytest.raises(RuntimeError, match="int8_pack"):  # a bf16 weight as int8's
+        ops.int8_linear_silu(x, packed, torch.ones(32), 32)
+    qpacked = ops.int8_pack(torch.zeros(32, 8, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="scales must be"):
+        ops.int8_linear_silu(x, qpacked, torch.ones(30), 32)
 
 
 def _shifted(packed: torch.Tensor) -> torch.Tensor:
@@ -605,7 +715,8 @@ def test_bf16_linear_in_quant_uses_the_kernel(monkeypatch: pytest.MonkeyPatch) -
     the registration removed, prepacking falls back to oneDNN."""
     assert cpu_kernels.load(), cpu_kernels.load_error
     ops = torch.ops.minisgl_cpu
-    assert quant._bf16_linear == (ops.bf16_pack.default, ops.bf16_linear.default)
+    assert quant._bf16_linear == (ops.bf16_pack.default, ops.bf16_linear.default,
+                                  ops.bf16_linear_silu.default)
     with pytest.raises(ValueError, match="needs its linear"):
         quant.register_bf16_linear(ops.bf16_pack.default)
     g = torch.Generator().manual_seed(2)

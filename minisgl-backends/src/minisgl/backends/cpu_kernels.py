@@ -11,6 +11,10 @@
   for any number of rows; ``load()`` registers them with
   ``minisgl.core.layers.quant.register_int8_linear``, so weights quantized afterwards use them in
   place of ATen's int8 matmul (few rows) and per-call dequantization (many).
+- ``bf16_linear_silu`` / ``int8_linear_silu`` (cpu_linear.cpp): silu(gate) * up of a merged
+  gate-up weight in one call (registered with the linears as their gated form): on AMX tiles
+  the gate's and the up half's sums meet in the kernel, so the [M, 2I] output is never
+  written; elsewhere the linear, then the product.
 - ``decoder_layer`` (cpu_layer.cpp): a Llama-family decoder layer of a decode step in one call
   (RMSNorm, QKV, RoPE, the K/V store, ``paged_attention``, O, residual, RMSNorm, gate-up, SiLU,
   down), on weights packed by ``bf16_pack`` or ``int8_pack``; the CPU backend uses it through
@@ -135,8 +139,10 @@ def _load() -> bool:
         return False
     _register_fake()
     ops = torch.ops.minisgl_cpu
-    register_bf16_linear(ops.bf16_pack.default, ops.bf16_linear.default)
-    register_int8_linear(ops.int8_pack.default, ops.int8_linear.default)
+    register_bf16_linear(ops.bf16_pack.default, ops.bf16_linear.default,
+                         ops.bf16_linear_silu.default)
+    register_int8_linear(ops.int8_pack.default, ops.int8_linear.default,
+                         ops.int8_linear_silu.default)
     register_argmax_logsumexp(ops.argmax_logsumexp.default)
     return True
 
@@ -174,6 +180,14 @@ def _register_fake() -> None:
     @torch.library.register_fake("minisgl_cpu::bf16_linear")
     def _(x, w, n):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("minisgl_cpu::bf16_linear_silu")
+    def _(x, w, n):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], n // 2)
+
+    @torch.library.register_fake("minisgl_cpu::int8_linear_silu")
+    def _(x, w, s, n):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], n // 2)
 
 
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

@@ -21,7 +21,6 @@ from minisgl.core.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    SiluAndMul,
     VocabParallelEmbedding,
     fused_decoder_layer,
 )
@@ -71,10 +70,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [n, n], False, comm,
                                                        "intermediate_size")
         self.down_proj = RowParallelLinear(n, cfg.hidden_size, False, comm, "intermediate_size")
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):

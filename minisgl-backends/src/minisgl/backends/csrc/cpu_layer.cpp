@@ -123,20 +123,6 @@ inline void rope(const bf16* src, const bf16* c, const bf16* s, int64_t D, bf16*
   }
 }
 
-// act = silu(g) * u for one row of [g u], silu(g) rounded to bf16 first like F.silu on bf16.
-inline void silu_mul(const bf16* gu, int64_t I, bf16* act) {
-  for (int64_t i = 0; i < I; i += 16) {
-    const __mmask16 k = tail(i, I);
-    const __m512 g = load(gu + i, k);
-    const __m512 e = minisgl_vec::exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-    const __m512 one = _mm512_set1_ps(1.f);
-    // sigmoid(g) = 1 / (1 + e^-g) for g >= 0, e^g / (1 + e^g) below: exp16 only sees x <= 0
-    const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), _mm512_add_ps(one, e));
-    store(act + i, _mm512_mul_ps(rounded(_mm512_mul_ps(g, sig)), load(gu + I + i, k)), k);
-  }
-}
-
 #elif MINISGL_LAYER_AVX2
 
 // The same steps 8 lanes at a time (the last n % 8 through a zero-padded copy).
@@ -179,19 +165,6 @@ inline void rope(const bf16* src, const bf16* c, const bf16* s, int64_t D, bf16*
     store_bf16(dst + d + half,
                _mm256_add_ps(rounded(_mm256_mul_ps(hi, load_bf16(c + d + half))),
                              rounded(_mm256_mul_ps(lo, load_bf16(s + d + half)))));
-  }
-}
-
-inline void silu_mul(const bf16* gu, int64_t I, bf16* act) {
-  const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-  for (int64_t i = 0; i < I; i += 8) {
-    const __m256 g = load_bf16(gu + i, I - i);
-    // e = e^-|g|: sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below
-    const __m256 e = minisgl_vec::exp8(_mm256_sub_ps(zero, _mm256_andnot_ps(sign, g)));
-    const __m256 neg = _mm256_cmp_ps(g, zero, _CMP_LT_OQ);
-    const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, neg), _mm256_add_ps(one, e));
-    const __m256 u = load_bf16(gu + I + i, I - i);
-    store_bf16(act + i, _mm256_mul_ps(rounded(_mm256_mul_ps(g, sig)), u), I - i);
   }
 }
 
@@ -270,14 +243,12 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   thread_local std::vector<char> keep;
   at::Tensor big;
   const size_t row = M * sizeof(bf16);
-  const auto p = minisgl::scratch(keep, big, {row * H, row * H, row * NQKV, row * H, row * 2 * I,
-                                              row * I});
+  const auto p = minisgl::scratch(keep, big, {row * H, row * H, row * NQKV, row * H, row * I});
   auto* r = reinterpret_cast<bf16*>(p[0]);
   auto* h = reinterpret_cast<bf16*>(p[1]);
   auto* qkv = reinterpret_cast<bf16*>(p[2]);
   auto* o = reinterpret_cast<bf16*>(p[3]);
-  auto* gu = reinterpret_cast<bf16*>(p[4]);
-  auto* act = reinterpret_cast<bf16*>(p[5]);
+  auto* act = reinterpret_cast<bf16*>(p[4]);
   at::Tensor q = at::empty({M, heads, D}, opt);  // paged_attention's input
   add_rms_norm(x.const_data_ptr<bf16>(), residual ? residual->const_data_ptr<bf16>() : nullptr,
                in_norm.const_data_ptr<bf16>(), eps, M, H, r, h);
@@ -311,8 +282,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   if (o_b != nullptr) add_bias(o, o_b, M, H);
   add_rms_norm(o, r, post_norm.const_data_ptr<bf16>(), eps, M, H, r2.mutable_data_ptr<bf16>(), h);
 
-  linear(2, h, H, gu, 2 * I);
-  each_row(M, [&](int64_t m) { silu_mul(gu + m * 2 * I, I, act + m * I); });
+  minisgl::gated_into(h, M, H, weights[2], scales.empty() ? nullptr : &scales[2], I, act);
   at::Tensor y = at::empty({M, H}, opt);
   linear(3, act, I, y.mutable_data_ptr<bf16>(), H);
   out = {y, r2};

@@ -57,6 +57,7 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -72,6 +73,8 @@
 #define MINISGL_LINEAR_FAST 1
 #define MINISGL_LINEAR_AVX2 0
 #include <immintrin.h>
+
+#include "vec.h"
 #elif defined(__AVX2__) && defined(__FMA__)
 #define MINISGL_LINEAR_FAST 0
 #define MINISGL_LINEAR_AVX2 1
@@ -401,7 +404,9 @@ struct Int8Format {
 #if MINISGL_LINEAR_ANY
 
 // What one call computes: x as pairs (bf16 pairs, or int16 pairs for int8) [M, K2], the packed
-// weight, y [M, N] bf16, and int8's scales (sx [M], sw [N]; null for bf16).
+// weight, y [M, N] bf16, and int8's scales (sx [M], sw [N]; null for bf16). `up` > 0 (the AMX
+// kernel only): the weight is [gate; up] with up's first block at block `up`, and y [M, N] is
+// silu(x @ gate.T) * (x @ up.T) (N = 16 up).
 struct Args {
   const int32_t* x;
   int64_t K2;
@@ -410,6 +415,7 @@ struct Args {
   int64_t N;
   const float* sx;
   const float* sw;
+  int64_t up = 0;
   const int32_t* row_x(int64_t m) const { return x + m * K2; }
   const float* row_sx(int64_t m) const { return sx == nullptr ? nullptr : sx + m; }
 };
@@ -785,35 +791,51 @@ inline void amx_begin() {
   _tile_loadconfig(&c);
 }
 
-// y rows m .. m + rows, outputs n .. n + 15 (fewer at N), from 16 x 16 sums stored from a tile
-// (int8: hi and lo, 256 hi + lo, times sx and sw as Int8Format::finish). (The tile intrinsics
-// take their tile's number as a literal: GCC's are macros that paste it into the instruction.)
-inline void amx_store(const Args& a, int64_t m, int64_t rows, int64_t n, const float* c,
-                      const int32_t* hi = nullptr) {
+// Row i of 16 x 16 sums stored from a tile (int8: lo at c and hi, 256 hi + lo, times sx and sw
+// as Int8Format::finish) as float32: y's row m + i, outputs n .. n + 15 of the weight.
+inline __m512 amx_row(const Args& a, int64_t m, int64_t i, int64_t n, const float* c,
+                      const int32_t* hi, __mmask16 mask) {
+  const __m512 v = _mm512_load_ps(c + i * 16);
+  if (hi == nullptr) return v;
+  const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi + i * 16), 8),
+                                       _mm512_castps_si512(v));
+  return Int8Format::finish(_mm512_castsi512_ps(sum), a.sx + m + i, a.sw + n, mask);
+}
+
+// y's row m + i, outputs n .. n + 15 (fewer at N), from a tile's sums (see amx_row). (The tile
+// intrinsics take their tile's number as a literal: GCC's are macros that paste it into the
+// instruction.)
+inline void amx_store_row(const Args& a, int64_t m, int64_t i, int64_t n, const float* c,
+                          const int32_t* hi) {
   const __mmask16 mask = n + kLanes <= a.N ? __mmask16(0xFFFF)
                                            : static_cast<__mmask16>((1u << (a.N - n)) - 1);
-  for (int64_t i = 0; i < rows; ++i) {
-    __m512 v = _mm512_load_ps(c + i * 16);
-    if (hi != nullptr) {
-      const __m512i sum = _mm512_add_epi32(
-          _mm512_slli_epi32(_mm512_load_si512(hi + i * 16), 8), _mm512_castps_si512(v));
-      v = Int8Format::finish(_mm512_castsi512_ps(sum), a.sx + m + i, a.sw + n, mask);
-    }
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-    _mm256_mask_storeu_epi16(a.y + (m + i) * a.N + n, mask, h);
-  }
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(amx_row(a, m, i, n, c, hi, mask));
+  _mm256_mask_storeu_epi16(a.y + (m + i) * a.N + n, mask, h);
+}
+
+// The gated form (a.up > 0): y's row m + i, outputs n .. n + 15 = silu(g) * u from the gate's
+// sums (c, hi) and the up half's (cu, hu; its outputs n + 16 a.up ..), each rounded to bf16
+// first as the linear's output would be.
+inline void amx_gated_row(const Args& a, int64_t m, int64_t i, int64_t n, const float* c,
+                          const int32_t* hi, const float* cu, const int32_t* hu) {
+  const __m512 g = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(amx_row(a, m, i, n, c, hi, 0xFFFF)));
+  const __m512 u = _mm512_cvtpbh_ps(
+      _mm512_cvtneps_pbh(amx_row(a, m, i, n + kLanes * a.up, cu, hu, 0xFFFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m + i) * a.N + n),
+                      (__m256i)_mm512_cvtneps_pbh(minisgl_vec::silu_mul16(g, u)));
 }
 
 // bf16: x rows m .. m + 16 RT (RT = 1, 2 tiles of rows; `x` the first row of the group, `ld`
-// bytes between rows) against NT = 1, 2 blocks (`w0`, `w1`: their first lines), the whole K
-template <int RT, int NT>
-void amx_bf16(const Args& a, const char* x, int64_t ld, const char* w0, const char* w1,
-              int64_t m, int64_t rows, int64_t n, float* c) {
+// bytes between rows) against NT = 1, 2 blocks (`w0`, `w1`: their first lines), the whole K;
+// the sums into c (Sums). After each step of 32 inputs, fin(step, steps) (Finisher).
+template <int RT, int NT, class Fin>
+void amx_bf16(const char* x, int64_t ld, const char* w0, const char* w1, int64_t K2, float* c,
+              Fin& fin) {
   _tile_zero(0);
   if constexpr (NT == 2) _tile_zero(1);
   if constexpr (RT == 2) _tile_zero(2);
   if constexpr (RT == 2 && NT == 2) _tile_zero(3);
-  for (int64_t p = 0; p < a.K2; p += 16) {
+  for (int64_t p = 0; p < K2; p += 16) {
     _tile_loadd(4, x + p * 4, ld);
     _tile_loadd(6, w0 + p * 64, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -826,36 +848,27 @@ void amx_bf16(const Args& a, const char* x, int64_t ld, const char* w0, const ch
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
     }
+    fin(p / 16 + 1, K2 / 16);
   }
-  const int64_t r0 = std::min(rows, kTileRows), r1 = rows - kTileRows;
   _tile_stored(0, c, 64);
-  amx_store(a, m, r0, n, c);
-  if constexpr (NT == 2) {
-    _tile_stored(1, c, 64);
-    amx_store(a, m, r0, n + kLanes, c);
-  }
-  if constexpr (RT == 2) {
-    _tile_stored(2, c, 64);
-    amx_store(a, m + kTileRows, r1, n, c);
-  }
-  if constexpr (RT == 2 && NT == 2) {
-    _tile_stored(3, c, 64);
-    amx_store(a, m + kTileRows, r1, n + kLanes, c);
-  }
+  if constexpr (NT == 2) _tile_stored(1, c + 256, 64);
+  if constexpr (RT == 2) _tile_stored(2, c + 512, 64);
+  if constexpr (RT == 2 && NT == 2) _tile_stored(3, c + 768, 64);
 }
 
 // int8: x's low and high bytes of rows m .. m + 16 (`lo`, `hi`: the group's first row, `ld`
-// bytes between rows) against NT = 1, 2 blocks in quads (`w0`, `w1`), the whole K
-template <int NT>
-void amx_int8(const Args& a, const char* lo, const char* hi, int64_t ld, const char* w0,
-              const char* w1, int64_t m, int64_t rows, int64_t n, float* c) {
+// bytes between rows) against NT = 1, 2 blocks in quads (`w0`, `w1`), the whole K; the sums
+// into c (Sums), fin as amx_bf16's (steps of 64 inputs).
+template <int NT, class Fin>
+void amx_int8(const char* lo, const char* hi, int64_t ld, const char* w0, const char* w1,
+              int64_t K2, float* c, Fin& fin) {
   _tile_zero(0);
   _tile_zero(2);
   if constexpr (NT == 2) {
     _tile_zero(1);
     _tile_zero(3);
   }
-  for (int64_t k = 0; k < 2 * a.K2; k += 64) {
+  for (int64_t k = 0; k < 2 * K2; k += 64) {
     _tile_loadd(4, lo + k, ld);
     _tile_loadd(5, hi + k, ld);
     _tile_loadd(6, w0 + k * 16, 64);
@@ -866,17 +879,57 @@ void amx_int8(const Args& a, const char* lo, const char* hi, int64_t ld, const c
       _tile_dpbusd(1, 4, 7);
       _tile_dpbssd(3, 5, 7);
     }
+    fin(k / 64 + 1, K2 / 32);
   }
-  auto* h = reinterpret_cast<int32_t*>(c + 256);
   _tile_stored(0, c, 64);
-  _tile_stored(2, h, 64);
-  amx_store(a, m, rows, n, c, h);
+  _tile_stored(2, c + 512, 64);
   if constexpr (NT == 2) {
-    _tile_stored(1, c, 64);
-    _tile_stored(3, h, 64);
-    amx_store(a, m, rows, n + kLanes, c, h);
+    _tile_stored(1, c + 256, 64);
+    _tile_stored(3, c + 768, 64);
   }
 }
+
+// A group's sums, stored from the tiles (1,024 floats at c), waiting to be written to y: rows
+// m .. m + rows against the blocks of outputs n .. n + 16 nt (gated: y's block n, from the
+// gate's and the up half's sums). bf16: tile (r, j) of rows 16 r .. and block j at c + 256 (2 r
+// + j); int8 (16 rows): block j's low-byte sums at c + 256 j, high-byte sums at c + 512 + 256 j.
+struct Sums {
+  int64_t m, rows, n;
+  int nt;
+  const float* c;
+};
+
+// Writes a group's sums (Sums) to y, a share of its rows after each tile step of the next
+// group (fin(step, steps)), or all at once (fin.all()).
+template <class F>
+struct Finisher {
+  const Args& a;
+  Sums s{0, 0, 0, 0, nullptr};
+  int64_t done = 0;
+
+  void operator()(int64_t step, int64_t steps) { upto((s.rows * step + steps - 1) / steps); }
+  void all() { upto(s.rows); }
+  void upto(int64_t end) {
+    constexpr bool kInt8 = std::is_same_v<F, Int8Format>;
+    if (s.c == nullptr) return;
+    for (; done < end; ++done) {
+      const int64_t r = done / kTileRows, i = done % kTileRows, m = s.m + r * kTileRows;
+      auto lo = [&](int j) { return s.c + 256 * (kInt8 ? j : 2 * r + j); };
+      auto hi = [&](int j) {
+        return kInt8 ? reinterpret_cast<const int32_t*>(s.c + 512 + 256 * j) : nullptr;
+      };
+      if (a.up > 0)
+        amx_gated_row(a, m, i, s.n, lo(0), hi(0), lo(1), hi(1));
+      else
+        for (int j = 0; j < s.nt; ++j) amx_store_row(a, m, i, s.n + j * kLanes, lo(j), hi(j));
+    }
+  }
+  void next(const Sums& group) {
+    all();
+    s = group;
+    done = 0;
+  }
+};
 
 // a block of int8 pairs (K2 lines of 32 bytes) as quads: line t of the output (64 bytes) holds,
 // for each of the 16 outputs j, its inputs 4t .. 4t + 3 (input lines 2t and 2t + 1, words j)
@@ -892,6 +945,14 @@ void quads(const char* w, int64_t K2, char* out) {
 // rows m0 .. m1 x blocks b0 .. b1 on this thread: block pairs outer (in L1 or L2), groups of
 // rows inner (32 in bf16, 16 in int8), over chunks of rows that fit L2 beside them. x: bf16
 // rows (a.x), or for int8 the low bytes of the rows then (at lo + M * K) their high bytes.
+// Gated (a.up > 0): blocks b0 .. b1 of y, each from a pair of the gate's block b and the up
+// half's block b + a.up.
+// A group's sums are written to y while the tiles multiply the next group: its rows' stores and
+// conversions (and the gated form's SiLU) go between that group's tile steps (Finisher), which
+// the core runs side by side, so that neither waits for the other. Measured on a 4,096 x 576 x
+// 1,536-per-half gated bf16 layer (2 threads): the epilogue after its own group took ~31% of
+// the kernel's samples; after the next group's whole loop, no faster (the tile loads fill the
+// core's reorder window).
 template <class F>
 void amx_rows(const Args& a, const char* lo, int64_t M, int64_t m0, int64_t m1, int64_t b0,
               int64_t b1) {
@@ -904,10 +965,12 @@ void amx_rows(const Args& a, const char* lo, int64_t M, int64_t m0, int64_t m1, 
   thread_local std::vector<char> keep;
   at::Tensor big;
   const auto s = minisgl::scratch(keep, big, {size_t(2 * kGroup * ld),
-                                              size_t(kInt8 ? 2 * bb : 0), size_t(2 * 1024)});
+                                              size_t(kInt8 ? 2 * bb : 0), size_t(8 * 1024)});
   char* pad = s[0];  // (int8: then the high bytes' pad at pad + kGroup * ld)
   char* panel = s[1];
-  auto* c = reinterpret_cast<float*>(s[2]);
+  auto* sums = reinterpret_cast<float*>(s[2]);  // two groups' sums: this one's, the pending one's
+  Finisher<F> fin{a};
+  int64_t group = 0;
   amx_begin();
   for (int64_t mc = m0; mc < m1; mc += chunk) {
     const int64_t mc1 = std::min(m1, mc + chunk);
@@ -921,30 +984,42 @@ void amx_rows(const Args& a, const char* lo, int64_t M, int64_t m0, int64_t m1, 
         std::memcpy(to, (part == 0 ? x : hi) + last * ld, last_rows * ld);
         std::memset(to + last_rows * ld, 0, (padded - last_rows) * ld);
       }
-    for (int64_t b = b0; b < b1; b += 2) {
-      const int nt = b + 1 < b1 ? 2 : 1;
+    const bool gated = a.up > 0;
+    for (int64_t b = b0; b < b1; b += gated ? 1 : 2) {
+      const int nt = gated || b + 1 < b1 ? 2 : 1;
       const char* w0 = a.w + b * bb;
+      const char* w1 = gated ? a.w + (b + a.up) * bb : w0 + bb;
       if constexpr (kInt8) {
-        for (int j = 0; j < nt; ++j) quads(w0 + j * bb, a.K2, panel + j * bb);
+        // (the pending group's sums stay where they are: only the panel changes)
+        quads(w0, a.K2, panel);
+        if (nt == 2) quads(w1, a.K2, panel + bb);
         w0 = panel;
+        w1 = panel + bb;
       }
-      const char* w1 = w0 + bb;
-      for (int64_t m = mc; m < mc1; m += kGroup) {
+      for (int64_t m = mc; m < mc1; m += kGroup, ++group) {
         const int64_t rows = std::min(kGroup, mc1 - m);
         const bool padded_group = rows % kTileRows != 0;
         const char* xg = padded_group ? pad : x + m * ld;
+        float* c = sums + 1024 * (group & 1);
         if constexpr (kInt8) {
           const char* hg = padded_group ? pad + kGroup * ld : hi + m * ld;
-          (nt == 2 ? &amx_int8<2> : &amx_int8<1>)(a, xg, hg, ld, w0, w1, m, rows, b * kLanes, c);
+          using Fn = void (*)(const char*, const char*, int64_t, const char*, const char*,
+                              int64_t, float*, Finisher<F>&);
+          constexpr Fn kFn[2] = {&amx_int8<1, Finisher<F>>, &amx_int8<2, Finisher<F>>};
+          kFn[nt - 1](xg, hg, ld, w0, w1, a.K2, c, fin);
         } else {
-          constexpr void (*kFn[2][2])(const Args&, const char*, int64_t, const char*,
-                                      const char*, int64_t, int64_t, int64_t, float*) = {
-              {&amx_bf16<1, 1>, &amx_bf16<1, 2>}, {&amx_bf16<2, 1>, &amx_bf16<2, 2>}};
-          kFn[rows > kTileRows][nt - 1](a, xg, ld, w0, w1, m, rows, b * kLanes, c);
+          using Fn = void (*)(const char*, int64_t, const char*, const char*, int64_t, float*,
+                              Finisher<F>&);
+          constexpr Fn kFn[2][2] = {
+              {&amx_bf16<1, 1, Finisher<F>>, &amx_bf16<1, 2, Finisher<F>>},
+              {&amx_bf16<2, 1, Finisher<F>>, &amx_bf16<2, 2, Finisher<F>>}};
+          kFn[rows > kTileRows][nt - 1](xg, ld, w0, w1, a.K2, c, fin);
         }
+        fin.next({m, rows, b * kLanes, nt, c});
       }
     }
   }
+  fin.all();
   _tile_release();
 }
 
@@ -1057,12 +1132,16 @@ void check_packed(const at::Tensor& x, const at::Tensor& wp, int64_t N, const ch
               "packed weight's ", NB, " blocks");
 }
 
-// y [M, N] = x [M, K] @ w.T, w packed by bf16_pack; x contiguous.
+// y [M, N] = x [M, K] @ w.T, w packed by bf16_pack; x contiguous. up > 0: the gated form
+// (Args), on the tiles (the caller checked gated_on_tiles).
 void bf16_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& wp, int64_t N,
-               c10::BFloat16* y) {
+               c10::BFloat16* y, int64_t up = 0) {
 #if MINISGL_LINEAR_ANY
   const Args a{reinterpret_cast<const int32_t*>(x), K / 2,
-               static_cast<const char*>(wp.const_data_ptr()), y, N, nullptr, nullptr};
+               static_cast<const char*>(wp.const_data_ptr()), y, N, nullptr, nullptr, up};
+#if MINISGL_AMX
+  if (up > 0) return run_amx<Bf16Format>(a, M, up);
+#endif
   run<Bf16Format>(a, M, wp.size(0));
 #endif
 }
@@ -1080,9 +1159,10 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
   return y;
 }
 
-// y [M, N] = x [M, K] @ (w * scales[:, None]).T, w packed by int8_pack; x contiguous.
+// y [M, N] = x [M, K] @ (w * scales[:, None]).T, w packed by int8_pack; x contiguous. up > 0:
+// as bf16_into's.
 void int8_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& wp,
-               const float* scales, int64_t N, c10::BFloat16* y) {
+               const float* scales, int64_t N, c10::BFloat16* y, int64_t up = 0) {
 #if MINISGL_LINEAR_ANY
   // K products of 127 * qmax must fit an int32
   const int32_t qmax = static_cast<int32_t>(
@@ -1111,9 +1191,9 @@ void int8_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& w
     }
   });
   const Args a{reinterpret_cast<const int32_t*>(qp), K / 2,
-               static_cast<const char*>(wp.const_data_ptr()), y, N, sxp, scales};
+               static_cast<const char*>(wp.const_data_ptr()), y, N, sxp, scales, up};
 #if MINISGL_AMX
-  if (amx) return run_amx<Int8Format>(a, M, wp.size(0), p[2]);
+  if (amx) return run_amx<Int8Format>(a, M, up > 0 ? up : wp.size(0), p[2]);
 #endif
   run<Int8Format>(a, M, wp.size(0));
 #endif
@@ -1135,12 +1215,45 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wp, const at::Tens
   return y;
 }
 
-}  // namespace
+// act [M, I] = silu(g) * u from a linear's output gu [M, 2I] = [g u], each row as
+// amx_gated_row computes it.
+void silu_mul_rows(const c10::BFloat16* gu, int64_t M, int64_t I, c10::BFloat16* act) {
+#if MINISGL_LINEAR_ANY
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const c10::BFloat16 *g = gu + m * 2 * I, *u = g + I;
+      c10::BFloat16* y = act + m * I;
+#if MINISGL_LINEAR_FAST
+      for (int64_t i = 0; i < I; i += kLanes) {
+        const __mmask16 k = I - i >= kLanes ? __mmask16(0xFFFF)
+                                            : static_cast<__mmask16>((1u << (I - i)) - 1);
+        const __m512 gv = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(k, g + i));
+        const __m512 uv = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(k, u + i));
+        _mm256_mask_storeu_epi16(y + i, k,
+                                 (__m256i)_mm512_cvtneps_pbh(minisgl_vec::silu_mul16(gv, uv)));
+      }
+#else
+      for (int64_t i = 0; i < I; i += 8)
+        minisgl_vec::store_bf16(y + i, minisgl_vec::silu_mul8(minisgl_vec::load_bf16(g + i, I - i),
+                                                              minisgl_vec::load_bf16(u + i, I - i)),
+                                I - i);
+#endif
+    }
+  });
+#endif
+}
 
-namespace minisgl {
+// Whether gated_into's product is made on the tiles (whole blocks of each half, AMX for M rows).
+bool gated_on_tiles(int64_t M, int64_t K, int64_t I, bool int8) {
+#if MINISGL_AMX
+  if (I % kLanes == 0)
+    return int8 ? amx_applies<Int8Format>(M, K) : amx_applies<Bf16Format>(M, K);
+#endif
+  return false;
+}
 
-void linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& packed,
-                 const at::Tensor* scales, int64_t N, c10::BFloat16* y) {
+// a weight packed for K inputs and N outputs, and its scales for int8 (scales not null)
+void check_weight(int64_t K, const at::Tensor& packed, const at::Tensor* scales, int64_t N) {
   TORCH_CHECK(MINISGL_LINEAR_ANY, "the linear kernels need AVX2 and FMA (or AVX-512)");
   const bool int8 = scales != nullptr;
   TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == K && packed.size(0) * kLanes >= N &&
@@ -1150,13 +1263,72 @@ void linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor&
               " inputs and N = ", N, " outputs");
   TORCH_CHECK(!int8 || (scales->numel() == N && scales->is_contiguous() &&
                         scales->scalar_type() == at::kFloat), "scales: float32 [", N, "]");
-  if (int8)
+}
+
+}  // namespace
+
+namespace minisgl {
+
+void linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& packed,
+                 const at::Tensor* scales, int64_t N, c10::BFloat16* y) {
+  check_weight(K, packed, scales, N);
+  if (scales != nullptr)
     int8_into(x, M, K, packed, scales->const_data_ptr<float>(), N, y);
   else
     bf16_into(x, M, K, packed, N, y);
 }
 
+void gated_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& packed,
+                const at::Tensor* scales, int64_t I, c10::BFloat16* act) {
+  const bool int8 = scales != nullptr;
+  if (gated_on_tiles(M, K, I, int8)) {
+    check_weight(K, packed, scales, 2 * I);
+    if (int8)
+      int8_into(x, M, K, packed, scales->const_data_ptr<float>(), I, act, I / kLanes);
+    else
+      bf16_into(x, M, K, packed, I, act, I / kLanes);
+    return;
+  }
+  thread_local std::vector<char> keep;
+  at::Tensor big;
+  auto* gu = reinterpret_cast<c10::BFloat16*>(
+      minisgl::scratch(keep, big, {size_t(M * 2 * I) * sizeof(c10::BFloat16)})[0]);
+  linear_into(x, M, K, packed, scales, 2 * I, gu);
+  silu_mul_rows(gu, M, I, act);
+}
+
 }  // namespace minisgl
+
+// silu(x @ gate.T) * (x @ up.T) for w = [gate; up] [n, K] packed by bf16_pack (int8_pack with
+// its scales): [M, n / 2], without the [M, n] linear output where the tiles run.
+static at::Tensor linear_silu(const at::Tensor& x, const at::Tensor& wp,
+                              const std::optional<at::Tensor>& scales, int64_t n) {
+  TORCH_CHECK(MINISGL_LINEAR_ANY, "the linear kernels need AVX2 and FMA (or AVX-512)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bf16");
+  check_packed(x, wp, n, scales ? "int8_pack" : "bf16_pack");
+  TORCH_CHECK(n % 2 == 0, "n (the gate's and the up half's outputs) must be even, not ", n);
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor y = at::empty({M, n / 2}, x.options());
+  at::Tensor xc = x.contiguous();
+  std::optional<at::Tensor> sc;
+  if (scales) {
+    TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->dim() == 1 &&
+                    scales->size(0) == n, "scales must be float32 [n] = [", n, "]");
+    sc = scales->contiguous();
+  }
+  minisgl::gated_into(xc.const_data_ptr<c10::BFloat16>(), M, K, wp.contiguous(),
+                      sc ? &*sc : nullptr, n / 2, y.mutable_data_ptr<c10::BFloat16>());
+  return y;
+}
+
+static at::Tensor bf16_linear_silu(const at::Tensor& x, const at::Tensor& wp, int64_t n) {
+  return linear_silu(x, wp, std::nullopt, n);
+}
+
+static at::Tensor int8_linear_silu(const at::Tensor& x, const at::Tensor& wp,
+                                   const at::Tensor& scales, int64_t n) {
+  return linear_silu(x, wp, scales, n);
+}
 
 // Which build of the linear kernels runs here: "avx512+amx" (with tiles), "avx512", "avx2", or
 // "" (neither: the ops refuse)
@@ -1174,6 +1346,8 @@ TORCH_LIBRARY_FRAGMENT(minisgl_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor w, int n) -> Tensor");
   m.def("int8_pack(Tensor w) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, int n) -> Tensor");
+  m.def("bf16_linear_silu(Tensor x, Tensor w, int n) -> Tensor");
+  m.def("int8_linear_silu(Tensor x, Tensor w, Tensor scales, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minisgl_cpu, CPU, m) {
@@ -1181,4 +1355,6 @@ TORCH_LIBRARY_IMPL(minisgl_cpu, CPU, m) {
   m.impl("bf16_linear", &bf16_linear);
   m.impl("int8_pack", &int8_pack);
   m.impl("int8_linear", &int8_linear);
+  m.impl("bf16_linear_silu", &bf16_linear_silu);
+  m.impl("int8_linear_silu", &int8_linear_silu);
 }

@@ -57,6 +57,11 @@ at::Tensor weight_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
 void linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& packed,
                  const at::Tensor* scales, int64_t N, c10::BFloat16* y);
 
+// act [M, I] = silu(x @ gate.T) * (x @ up.T) (cpu_linear.cpp) for a weight [gate; up] [2I, K]
+// packed as linear_into's; silu(g) rounded to bf16 before the product, like F.silu on bf16.
+void gated_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& packed,
+                const at::Tensor* scales, int64_t I, c10::BFloat16* act);
+
 // The paged_attention op (cpu_attention.cpp).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& slots, const at::Tensor& kv_lens,

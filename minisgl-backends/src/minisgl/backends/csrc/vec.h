@@ -1,7 +1,8 @@
 // Vector helpers shared by the kernels: exp16 / exp8, exp of 16 (AVX-512) or 8 (AVX2 with FMA)
-// float32 lanes at once, for the softmax-like sums of cpu_attention.cpp, cpu_layer.cpp and
-// cpu_sample.cpp; and the AVX2 build's bf16 <-> float32 conversions and horizontal reductions
-// (AVX-512 has them as instructions). Include only where one of the two is available.
+// float32 lanes at once, for the softmax-like sums of cpu_attention.cpp and cpu_sample.cpp and
+// the SiLU of cpu_linear.cpp (silu_mul16 / silu_mul8); and the AVX2 build's bf16 <-> float32
+// conversions and horizontal reductions (AVX-512 has them as instructions). Include only where
+// one of the two is available.
 #pragma once
 
 #include <immintrin.h>
@@ -28,6 +29,20 @@ inline __m512 exp16(__m512 x) {
   for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kPoly[i]));
   return _mm512_scalef_ps(p, n);
 }
+
+#if defined(__AVX512BF16__)
+// silu(g) rounded to bf16, times u (g and u bf16 values as float32): what F.silu(g) * u gives on
+// bf16 tensors, before its final rounding. sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e)
+// below, e = e^-|g| (exp16 only sees x <= 0).
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.f);
+  const __m512 e = exp16(_mm512_sub_ps(zero, _mm512_abs_ps(g)));
+  const __mmask16 neg = _mm512_cmp_ps_mask(g, zero, _CMP_LT_OQ);
+  const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), _mm512_add_ps(one, e));
+  const __m512 silu = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(g, sig)));
+  return _mm512_mul_ps(silu, u);
+}
+#endif
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -89,6 +104,15 @@ inline void store_bf16(void* p, __m256 v, int64_t n = 8) {
   alignas(16) uint16_t t[8];
   _mm_store_si128(reinterpret_cast<__m128i*>(t), h);
   std::memcpy(p, t, n * sizeof(uint16_t));
+}
+
+// silu_mul16 on 8 lanes
+inline __m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  const __m256 e = exp8(_mm256_sub_ps(zero, _mm256_andnot_ps(sign, g)));
+  const __m256 neg = _mm256_cmp_ps(g, zero, _CMP_LT_OQ);
+  const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, neg), _mm256_add_ps(one, e));
+  return _mm256_mul_ps(rounded(_mm256_mul_ps(g, sig)), u);
 }
 
 // Horizontal sum and max of 8 lanes (pairwise: lanes i and i + 4, then i + 2, then i + 1).

@@ -10,8 +10,11 @@ import torch
 from torch import nn
 
 from minisgl.core.distributed import Communicator
+from minisgl.core.layers.activation import SiluAndMul
 from minisgl.core.layers.quant import QuantizableLinear
 from minisgl.core.weights import WeightSource, read, shape_of
+
+_silu_and_mul = SiluAndMul()
 
 
 def divide(n: int, parts: int, what: str) -> int:
@@ -51,6 +54,13 @@ class ColumnParallelLinear(QuantizableLinear):
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """gate_proj + up_proj as one matmul (shard ids 0 and 1)."""
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this layer's output: one call of the registered kernel's gated
+        form where it has one (on AMX tiles the [.., 2 * d] output is never written), else
+        ``SiluAndMul`` of ``forward``."""
+        y = self.gated_matmul(x) if self.bias is None else None
+        return _silu_and_mul(self(x)) if y is None else y
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -50,18 +50,22 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 INT8_MM_MAX_ROWS = 32
 Int8Pack = Callable[[torch.Tensor], torch.Tensor]
 Int8Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
-_int8_kernel: tuple[Int8Pack, Int8Linear] | None = None
+_int8_kernel: tuple[Int8Pack, Int8Linear, Int8Linear | None] | None = None
 
 
-def register_int8_linear(pack: Int8Pack | None, linear: Int8Linear | None = None) -> None:
+def register_int8_linear(pack: Int8Pack | None, linear: Int8Linear | None = None,
+                         gated: Int8Linear | None = None) -> None:
     """Hold CPU int8 weights as ``pack(qweight [N, K] int8) -> packed`` (any layout, K even) and
     compute ``linear(x [M, K] bf16, packed, scales [N] float32, N) -> [M, N] bf16`` (x @ (qweight
-    * scales[:, None]).T) for any M; None goes back to ATen. Only weights quantized afterwards use
-    it. Both torch ops when compiled graphs are to call them."""
+    * scales[:, None]).T) for any M; None goes back to ATen. ``gated`` (optional), with the same
+    arguments: ``silu(g) * u`` [M, N / 2] of that output's halves [g u] (a merged gate-up
+    projection, ``MergedColumnParallelLinear.silu_mul``), silu(g) rounded to bf16 as ``F.silu``
+    rounds it. Only weights quantized afterwards use them. All torch ops when compiled graphs
+    are to call them."""
     global _int8_kernel
     if pack is not None and linear is None:
         raise ValueError("register_int8_linear: a pack function needs its linear")
-    _int8_kernel = None if pack is None or linear is None else (pack, linear)
+    _int8_kernel = None if pack is None or linear is None else (pack, linear, gated)
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -86,17 +90,20 @@ def int8_rows_limit(model: nn.Module) -> int | None:
 
 Bf16Pack = Callable[[torch.Tensor], torch.Tensor]
 Bf16Linear = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
-_bf16_linear: tuple[Bf16Pack, Bf16Linear] | None = None
+_bf16_linear: tuple[Bf16Pack, Bf16Linear, Bf16Linear | None] | None = None
 
 
-def register_bf16_linear(pack: Bf16Pack | None, linear: Bf16Linear | None = None) -> None:
+def register_bf16_linear(pack: Bf16Pack | None, linear: Bf16Linear | None = None,
+                         gated: Bf16Linear | None = None) -> None:
     """Prepack CPU bf16 weights with ``pack(weight [N, K]) -> packed`` (any layout, K even) and
-    compute ``linear(x [M, K], packed, N) -> [M, N]`` for any M; None goes back to oneDNN. Only
-    weights converted afterwards use it. Both torch ops when compiled graphs are to call them."""
+    compute ``linear(x [M, K], packed, N) -> [M, N]`` for any M; None goes back to oneDNN.
+    ``gated`` (optional), with the same arguments: ``silu(g) * u`` [M, N / 2] of that output's
+    halves, as for ``register_int8_linear``. Only weights converted afterwards use them. All
+    torch ops when compiled graphs are to call them."""
     global _bf16_linear
     if pack is not None and linear is None:
         raise ValueError("register_bf16_linear: a pack function needs its linear")
-    _bf16_linear = None if pack is None or linear is None else (pack, linear)
+    _bf16_linear = None if pack is None or linear is None else (pack, linear, gated)
 
 
 def _kernel_can_pack(weight: torch.Tensor) -> bool:
@@ -167,6 +174,9 @@ class QuantizableLinear(nn.Module):
     # compiled graphs take as an input), else None: oneDNN's
     packed_linear: Bf16Linear | None = None
     pack_token: torch.Tensor | None = None  # stands for oneDNN's ``packed`` in compiled graphs
+    # the registered kernel's gated form for ``packed`` (bf16) or ``qweight`` (int8), if it has one
+    gated_linear: Bf16Linear | None = None
+    gated_qlinear: Int8Linear | None = None
 
     def _drop_float(self, keep_float: bool) -> None:
         if not keep_float:
@@ -176,7 +186,7 @@ class QuantizableLinear(nn.Module):
         w = self.weight.detach()
         self.packed_out = w.shape[0]
         if _bf16_linear is not None and _kernel_can_pack(w):
-            pack, self.packed_linear = _bf16_linear
+            pack, self.packed_linear, self.gated_linear = _bf16_linear
             self.packed = pack(w)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
@@ -189,11 +199,25 @@ class QuantizableLinear(nn.Module):
         # plain attributes (not in the state dict)
         if (_int8_kernel is not None and w.device.type == "cpu" and w.dtype == torch.bfloat16
                 and w.shape[1] % 2 == 0):
-            pack, self.qlinear = _int8_kernel
+            pack, self.qlinear, self.gated_qlinear = _int8_kernel
             self.qweight, self.qscale, self.packed_out = pack(q), s, w.shape[0]
         else:  # ATen's: scales in the activations' dtype (a cast inside a graph would not lower)
             self.qweight, self.qscale = q, s.to(w.dtype)
         self._drop_float(keep_float)
+
+    def gated_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(g) * u [.., N / 2] of this layer's matmul [g u] [.., N] in one call of the
+        registered kernel's gated form, or None where it has none for this layer's weight."""
+        flat, n = x.reshape(-1, x.shape[-1]), self.packed_out
+        y: torch.Tensor
+        if self.packed is not None and self.gated_linear is not None:
+            y = self.gated_linear(flat, self.packed, n)
+        elif (self.qweight is not None and self.qscale is not None
+              and self.gated_qlinear is not None):
+            y = self.gated_qlinear(flat, self.qweight, self.qscale, n)
+        else:
+            return None
+        return y.reshape(*x.shape[:-1], n // 2)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
