@@ -827,7 +827,7 @@ inline void amx_gated_row(const Args& a, int64_t m, int64_t i, int64_t n, const 
 
 // bf16: x rows m .. m + 16 RT (RT = 1, 2 tiles of rows; `x` the first row of the group, `ld`
 // bytes between rows) against NT = 1, 2 blocks (`w0`, `w1`: their first lines), the whole K;
-// the sums into c (Sums). After each step of 32 inputs, fin(step, steps) (Finisher).
+// the sums into c (Sums). After each step of 32 inputs, fin(step) (Finisher).
 template <int RT, int NT, class Fin>
 void amx_bf16(const char* x, int64_t ld, const char* w0, const char* w1, int64_t K2, float* c,
               Fin& fin) {
@@ -848,7 +848,7 @@ void amx_bf16(const char* x, int64_t ld, const char* w0, const char* w1, int64_t
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
     }
-    fin(p / 16 + 1, K2 / 16);
+    fin(p / 16 + 1);
   }
   _tile_stored(0, c, 64);
   if constexpr (NT == 2) _tile_stored(1, c + 256, 64);
@@ -879,7 +879,7 @@ void amx_int8(const char* lo, const char* hi, int64_t ld, const char* w0, const 
       _tile_dpbusd(1, 4, 7);
       _tile_dpbssd(3, 5, 7);
     }
-    fin(k / 64 + 1, K2 / 32);
+    fin(k / 64 + 1);
   }
   _tile_stored(0, c, 64);
   _tile_stored(2, c + 512, 64);
@@ -900,18 +900,20 @@ struct Sums {
 };
 
 // Writes a group's sums (Sums) to y, a share of its rows after each tile step of the next
-// group (fin(step, steps)), or all at once (fin.all()).
+// group (fin(step)), or all at once (fin.all()).
 template <class F>
 struct Finisher {
   const Args& a;
+  int64_t steps;  // tile steps per group
   Sums s{0, 0, 0, 0, nullptr};
-  int64_t done = 0;
+  int64_t done = 0, per = 0;  // rows written, rows per step
 
-  void operator()(int64_t step, int64_t steps) { upto((s.rows * step + steps - 1) / steps); }
+  void operator()(int64_t step) {
+    if (done < s.rows) upto(std::min(s.rows, per * step));
+  }
   void all() { upto(s.rows); }
   void upto(int64_t end) {
     constexpr bool kInt8 = std::is_same_v<F, Int8Format>;
-    if (s.c == nullptr) return;
     for (; done < end; ++done) {
       const int64_t r = done / kTileRows, i = done % kTileRows, m = s.m + r * kTileRows;
       auto lo = [&](int j) { return s.c + 256 * (kInt8 ? j : 2 * r + j); };
@@ -928,6 +930,7 @@ struct Finisher {
     all();
     s = group;
     done = 0;
+    per = (s.rows + steps - 1) / steps;
   }
 };
 
@@ -969,7 +972,7 @@ void amx_rows(const Args& a, const char* lo, int64_t M, int64_t m0, int64_t m1, 
   char* pad = s[0];  // (int8: then the high bytes' pad at pad + kGroup * ld)
   char* panel = s[1];
   auto* sums = reinterpret_cast<float*>(s[2]);  // two groups' sums: this one's, the pending one's
-  Finisher<F> fin{a};
+  Finisher<F> fin{a, kInt8 ? a.K2 / 32 : a.K2 / 16};
   int64_t group = 0;
   amx_begin();
   for (int64_t mc = m0; mc < m1; mc += chunk) {
