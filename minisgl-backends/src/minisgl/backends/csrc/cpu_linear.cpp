@@ -6,6 +6,9 @@
 //   (bf16_pack). Every bf16 linear layer on such a CPU uses it.
 // * int8_linear: the same for weight-only int8 (--quantization int8): w int8 in the same blocked
 //   layout (int8_pack) with a float32 scale per output feature.
+// * bf16_linear_silu / int8_linear_silu: silu(x @ gate.T) * (x @ up.T) of a merged gate-up
+//   weight [gate; up] packed as above, in one call (on AMX tiles without the [M, 2I] output;
+//   see gated_into).
 //
 // --- the blocked layout ---------------------------------------------------------------------
 // A pack turns w [N, K] (K even) into [ceil(N / 16), K / 2, 16, 2]: block b holds output
