@@ -830,8 +830,8 @@ inline void amx_gated_row(const Args& a, int64_t m, int64_t i, int64_t n, const 
 
 // bf16: x rows m .. m + 16 RT (RT = 1, 2 tiles of rows; `x` the first row of the group, `ld`
 // bytes between rows) against NT = 1, 2 blocks (`w0`, `w1`: their first lines), the whole K;
-// the sums into c (Sums). After each step of 32 inputs, fin(step) (Finisher).
-template <int RT, int NT, class Fin>
+// the sums into c (Sums). After each step of 32 inputs, fin(step) (Finisher) if Stepped.
+template <int RT, int NT, bool Stepped, class Fin>
 void amx_bf16(const char* x, int64_t ld, const char* w0, const char* w1, int64_t K2, float* c,
               Fin& fin) {
   _tile_zero(0);
@@ -851,7 +851,7 @@ void amx_bf16(const char* x, int64_t ld, const char* w0, const char* w1, int64_t
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
     }
-    fin(p / 16 + 1);
+    if constexpr (Stepped) fin(p / 16 + 1);
   }
   _tile_stored(0, c, 64);
   if constexpr (NT == 2) _tile_stored(1, c + 256, 64);
@@ -862,7 +862,7 @@ void amx_bf16(const char* x, int64_t ld, const char* w0, const char* w1, int64_t
 // int8: x's low and high bytes of rows m .. m + 16 (`lo`, `hi`: the group's first row, `ld`
 // bytes between rows) against NT = 1, 2 blocks in quads (`w0`, `w1`), the whole K; the sums
 // into c (Sums), fin as amx_bf16's (steps of 64 inputs).
-template <int NT, class Fin>
+template <int NT, bool Stepped, class Fin>
 void amx_int8(const char* lo, const char* hi, int64_t ld, const char* w0, const char* w1,
               int64_t K2, float* c, Fin& fin) {
   _tile_zero(0);
@@ -882,7 +882,7 @@ void amx_int8(const char* lo, const char* hi, int64_t ld, const char* w0, const 
       _tile_dpbusd(1, 4, 7);
       _tile_dpbssd(3, 5, 7);
     }
-    fin(k / 64 + 1);
+    if constexpr (Stepped) fin(k / 64 + 1);
   }
   _tile_stored(0, c, 64);
   _tile_stored(2, c + 512, 64);
@@ -904,15 +904,33 @@ struct Sums {
 
 // Writes a group's sums (Sums) to y, a share of its rows after each tile step of the next
 // group (fin(step)), or all at once (fin.all()).
+// It also prefetches the next pair of blocks of w into L2, a share of its lines per step
+// (ahead()). Below kSteppedRows rows per thread neither pays (a batch-1 decode step's 121 weights
+// 2-3% slower with them): each group's rows are written right after it, and the hardware's
+// prefetch keeps up with the tiles' stream.
+constexpr int64_t kSteppedRows = 8;
 template <class F>
 struct Finisher {
   const Args& a;
   int64_t steps;  // tile steps per group
   Sums s{0, 0, 0, 0, nullptr};
   int64_t done = 0, per = 0;  // rows written, rows per step
+  const char* pf[2] = {nullptr, nullptr};  // the next blocks' lines still to prefetch
+  int64_t pf_left[2] = {0, 0}, pf_per = 0;
 
   void operator()(int64_t step) {
     if (done < s.rows) upto(std::min(s.rows, per * step));
+    for (int j = 0; j < 2; ++j)
+      for (int64_t i = 0; i < pf_per && pf_left[j] > 0; ++i, --pf_left[j], pf[j] += 64)
+        _mm_prefetch(pf[j], _MM_HINT_T1);
+  }
+  // the blocks at w0 and w1 (`bytes` each; w1 null: none) over the next `groups` groups' steps
+  void ahead(const char* w0, const char* w1, int64_t bytes, int64_t groups) {
+    pf[0] = w0;
+    pf[1] = w1;
+    pf_left[0] = w0 ? bytes / 64 : 0;
+    pf_left[1] = w1 ? bytes / 64 : 0;
+    pf_per = (bytes / 64 + groups * steps - 1) / (groups * steps);
   }
   void all() { upto(s.rows); }
   void upto(int64_t end) {
@@ -991,10 +1009,20 @@ void amx_rows(const Args& a, const char* lo, int64_t M, int64_t m0, int64_t m1, 
         std::memset(to + last_rows * ld, 0, (padded - last_rows) * ld);
       }
     const bool gated = a.up > 0;
+    const int64_t groups = (mc1 - mc + kGroup - 1) / kGroup;
+    const bool stepped = m1 - m0 >= kSteppedRows;
     for (int64_t b = b0; b < b1; b += gated ? 1 : 2) {
       const int nt = gated || b + 1 < b1 ? 2 : 1;
       const char* w0 = a.w + b * bb;
       const char* w1 = gated ? a.w + (b + a.up) * bb : w0 + bb;
+      // the next pair's blocks (the next chunk's first: this thread's first pair, in L2 by then)
+      const int64_t nb = b + (gated ? 1 : 2);
+      if (nb < b1 && stepped)
+        fin.ahead(a.w + nb * bb, gated ? a.w + (nb + a.up) * bb : nb + 1 < b1 ? a.w + (nb + 1) * bb
+                                                                               : nullptr,
+                  bb, groups);
+      else
+        fin.ahead(nullptr, nullptr, 0, 1);
       if constexpr (kInt8) {
         // (the pending group's sums stay where they are: only the panel changes)
         quads(w0, a.K2, panel);
@@ -1011,17 +1039,22 @@ void amx_rows(const Args& a, const char* lo, int64_t M, int64_t m0, int64_t m1, 
           const char* hg = padded_group ? pad + kGroup * ld : hi + m * ld;
           using Fn = void (*)(const char*, const char*, int64_t, const char*, const char*,
                               int64_t, float*, Finisher<F>&);
-          constexpr Fn kFn[2] = {&amx_int8<1, Finisher<F>>, &amx_int8<2, Finisher<F>>};
-          kFn[nt - 1](xg, hg, ld, w0, w1, a.K2, c, fin);
+          constexpr Fn kFn[2][2] = {
+              {&amx_int8<1, false, Finisher<F>>, &amx_int8<2, false, Finisher<F>>},
+              {&amx_int8<1, true, Finisher<F>>, &amx_int8<2, true, Finisher<F>>}};
+          kFn[stepped][nt - 1](xg, hg, ld, w0, w1, a.K2, c, fin);
         } else {
           using Fn = void (*)(const char*, int64_t, const char*, const char*, int64_t, float*,
                               Finisher<F>&);
-          constexpr Fn kFn[2][2] = {
-              {&amx_bf16<1, 1, Finisher<F>>, &amx_bf16<1, 2, Finisher<F>>},
-              {&amx_bf16<2, 1, Finisher<F>>, &amx_bf16<2, 2, Finisher<F>>}};
-          kFn[rows > kTileRows][nt - 1](xg, ld, w0, w1, a.K2, c, fin);
+          constexpr Fn kFn[2][2][2] = {
+              {{&amx_bf16<1, 1, false, Finisher<F>>, &amx_bf16<1, 2, false, Finisher<F>>},
+               {&amx_bf16<2, 1, false, Finisher<F>>, &amx_bf16<2, 2, false, Finisher<F>>}},
+              {{&amx_bf16<1, 1, true, Finisher<F>>, &amx_bf16<1, 2, true, Finisher<F>>},
+               {&amx_bf16<2, 1, true, Finisher<F>>, &amx_bf16<2, 2, true, Finisher<F>>}}};
+          kFn[stepped][rows > kTileRows][nt - 1](xg, ld, w0, w1, a.K2, c, fin);
         }
         fin.next({m, rows, b * kLanes, nt, c});
+        if (!stepped) fin.all();
       }
     }
   }
