@@ -229,13 +229,17 @@ at::Tensor int8_pack(const at::Tensor& w) {
 
 #if MINISGL_LINEAR_FAST
 
+// The lanes of elements n .. n + 15 that lie below N.
+inline __mmask16 lanes16(int64_t n, int64_t N) {
+  return n + kLanes <= N ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (N - n)) - 1);
+}
+
 // Row m's outputs n .. n + 15 (fewer at the end of N) from an accumulator. sx/sw: int8's scales
 // (unused by bf16).
 template <class F>
 inline void store512(typename F::Acc acc, const float* sx, const float* sw, int64_t n,
                      int64_t N, c10::BFloat16* y) {
-  const __mmask16 mask = n + kLanes <= N ? __mmask16(0xFFFF)
-                                         : static_cast<__mmask16>((1u << (N - n)) - 1);
+  const __mmask16 mask = lanes16(n, N);
   __m256i h = (__m256i)_mm512_cvtneps_pbh(F::finish(acc, sx, sw == nullptr ? nullptr : sw + n, mask));
   if (mask == 0xFFFF)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + n), h);
@@ -810,8 +814,7 @@ inline __m512 amx_row(const Args& a, int64_t m, int64_t i, int64_t n, const floa
 // instruction.)
 inline void amx_store_row(const Args& a, int64_t m, int64_t i, int64_t n, const float* c,
                           const int32_t* hi) {
-  const __mmask16 mask = n + kLanes <= a.N ? __mmask16(0xFFFF)
-                                           : static_cast<__mmask16>((1u << (a.N - n)) - 1);
+  const __mmask16 mask = lanes16(n, a.N);
   const __m256i h = (__m256i)_mm512_cvtneps_pbh(amx_row(a, m, i, n, c, hi, mask));
   _mm256_mask_storeu_epi16(a.y + (m + i) * a.N + n, mask, h);
 }
@@ -995,6 +998,7 @@ void amx_rows(const Args& a, const char* lo, int64_t M, int64_t m0, int64_t m1, 
   char* panel = s[1];
   auto* sums = reinterpret_cast<float*>(s[2]);  // two groups' sums: this one's, the pending one's
   Finisher<F> fin{a, kInt8 ? a.K2 / 32 : a.K2 / 16};
+  const bool gated = a.up > 0, stepped = m1 - m0 >= kSteppedRows;
   int64_t group = 0;
   amx_begin();
   for (int64_t mc = m0; mc < m1; mc += chunk) {
@@ -1009,21 +1013,20 @@ void amx_rows(const Args& a, const char* lo, int64_t M, int64_t m0, int64_t m1, 
         std::memcpy(to, (part == 0 ? x : hi) + last * ld, last_rows * ld);
         std::memset(to + last_rows * ld, 0, (padded - last_rows) * ld);
       }
-    const bool gated = a.up > 0;
     const int64_t groups = (mc1 - mc + kGroup - 1) / kGroup;
-    const bool stepped = m1 - m0 >= kSteppedRows;
     for (int64_t b = b0; b < b1; b += gated ? 1 : 2) {
       const int nt = gated || b + 1 < b1 ? 2 : 1;
       const char* w0 = a.w + b * bb;
       const char* w1 = gated ? a.w + (b + a.up) * bb : w0 + bb;
       // the next pair's blocks (none past the last: the next chunk starts cold)
       const int64_t nb = b + (gated ? 1 : 2);
-      if (nb < b1 && stepped)
-        fin.ahead(a.w + nb * bb, gated ? a.w + (nb + a.up) * bb : nb + 1 < b1 ? a.w + (nb + 1) * bb
-                                                                               : nullptr,
-                  bb, groups);
-      else
+      if (nb < b1 && stepped) {
+        const char* second = gated ? a.w + (nb + a.up) * bb
+                                   : nb + 1 < b1 ? a.w + (nb + 1) * bb : nullptr;
+        fin.ahead(a.w + nb * bb, second, bb, groups);
+      } else {
         fin.ahead(nullptr, nullptr, 0, 1);
+      }
       if constexpr (kInt8) {
         // (the pending group's sums stay where they are: only the panel changes)
         quads(w0, a.K2, panel);
@@ -1112,7 +1115,7 @@ void run(const Args& a, int64_t M, int64_t NB) {
 #if MINISGL_LINEAR_FAST
 void quantize_row(const c10::BFloat16* x, int64_t K, int32_t qmax, int16_t* q, float* sx) {
   auto mask = [&](int64_t k) {
-    return K - k >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
+    return lanes16(k, K);
   };
   auto load16 = [&](int64_t k) {  // 16 bf16 (fewer at the end, zeros past K) as float32
     return _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -1265,8 +1268,7 @@ void silu_mul_rows(const c10::BFloat16* gu, int64_t M, int64_t I, c10::BFloat16*
       c10::BFloat16* y = act + m * I;
 #if MINISGL_LINEAR_FAST
       for (int64_t i = 0; i < I; i += kLanes) {
-        const __mmask16 k = I - i >= kLanes ? __mmask16(0xFFFF)
-                                            : static_cast<__mmask16>((1u << (I - i)) - 1);
+        const __mmask16 k = lanes16(i, I);
         const __m512 gv = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(k, g + i));
         const __m512 uv = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(k, u + i));
         _mm256_mask_storeu_epi16(y + i, k,
