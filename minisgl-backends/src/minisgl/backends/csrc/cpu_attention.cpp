@@ -213,13 +213,27 @@ inline void qk_dispatch(int nr, const int32_t* const* q, const __m512i* kt, int6
   }
 }
 
+// V rows of a block in key pairs: vp[jp * (D / 16) + z] holds (v_2jp, v_2jp+1) interleaved for
+// 16 dims (null rows, past the block's end, as zeros).
+inline void pair_rows(const uint16_t* const* vrow, int64_t D, __m512i* vp) {
+  const int64_t Z = D / 16;
+  const __m512i zero = _mm512_setzero_si512();
+  for (int jp = 0; jp < KB / 2; ++jp) {
+    for (int64_t c = 0; c < D / 32; ++c) {
+      __m512i a = vrow[2 * jp] ? _mm512_loadu_si512(vrow[2 * jp] + c * 32) : zero;
+      __m512i b = vrow[2 * jp + 1] ? _mm512_loadu_si512(vrow[2 * jp + 1] + c * 32) : zero;
+      vp[jp * Z + 2 * c] = _mm512_unpacklo_epi16(a, b);
+      vp[jp * Z + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+  }
+}
+
 // The block of keys kb .. kb + 15 (fewer at k1) loaded for both products: K transposed, kt[p]
-// lane j = dims (2p, 2p+1) of key j; V in key pairs, vp[jp * (D / 16) + z] holds (v_2jp,
-// v_2jp+1) interleaved for 16 dims; keys past the block's end as zeros. Returns its keys.
+// lane j = dims (2p, 2p+1) of key j; V in key pairs (pair_rows); keys past the block's end as
+// zeros. Returns its keys.
 inline int load_block(const uint16_t* kh, const uint16_t* vh, const int64_t* srow, int64_t kb,
                       int64_t k1, int64_t D, __m512i* kt, __m512i* vp) {
   const int nk = static_cast<int>(std::min<int64_t>(KB, k1 - kb));
-  const int64_t Z = D / 16;
   const __m512i zero = _mm512_setzero_si512();
   const uint16_t* krow[KB];
   const uint16_t* vrow[KB];
@@ -229,14 +243,7 @@ inline int load_block(const uint16_t* kh, const uint16_t* vh, const int64_t* sro
     for (int j = 0; j < KB; ++j) t[j] = krow[j] ? _mm512_loadu_si512(krow[j] + c * 32) : zero;
     transpose16(t);
   }
-  for (int jp = 0; jp < KB / 2; ++jp) {
-    for (int64_t c = 0; c < D / 32; ++c) {
-      __m512i a = vrow[2 * jp] ? _mm512_loadu_si512(vrow[2 * jp] + c * 32) : zero;
-      __m512i b = vrow[2 * jp + 1] ? _mm512_loadu_si512(vrow[2 * jp + 1] + c * 32) : zero;
-      vp[jp * Z + 2 * c] = _mm512_unpacklo_epi16(a, b);
-      vp[jp * Z + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
-    }
-  }
+  pair_rows(vrow, D, vp);
   return nk;
 }
 
@@ -326,19 +333,22 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
 #if MINISGL_ATTN_AMX
 // Items of 16 rows or more (prefill, extend, a shared prefix's decode queries) on AMX tiles,
 // 16 rows at a time and 4 key blocks (64 keys) per softmax step. Every tile is 16 rows of 64
-// bytes. Per step: the blocks' transposed keys kt and key pairs vp (load_block, vp laid out so
-// that two neighbouring blocks' 8 pairs each are one 16-row tile); the scores of the 4 blocks
-// in 4 accumulator tiles at once (tdpbf16ps of the rows' queries, copied once into a
-// zero-padded [16 n, D] buffer and held in tiles per 16 rows, with kt, whose 64-byte lines are
-// a tile's rows as they stand); one online-softmax update per row for the 64 scores (run_item's,
-// per 16, cost more than the products on tiles); then O += P V, 32 keys per tdpbf16ps (P of
-// two blocks against their 16 key pairs), into up to 4 accumulator tiles of 16 dims each, so
+// bytes. The scores come transposed, S^T = K Q^T: a block's 16 keys are a tile's rows as they
+// lie in the pool (a page holds 16 consecutive slots; a block whose slots are not consecutive
+// is copied into 16 rows first), and the item's queries, transposed once per item into bf16
+// pairs (qt), are the other operand. So a tile of scores is 16 vectors, one per key, with a
+// lane per row, and the online softmax runs lane-wise: 16 rows' running max, sum and rescale
+// factor are one vector each, with no horizontal reductions and no per-row exp, and no key
+// block is transposed. P, rounded to bf16 in key pairs, goes back to a row per query (one
+// 16 x 16 transpose of 32-bit pairs per 32 keys and 16 rows) for O += P V, 32 keys per
+// tdpbf16ps (P of two blocks against their 16 key pairs, vp laid out so that two neighbouring
+// blocks' 8 pairs each are one 16-row tile), into up to 4 accumulator tiles of 16 dims each, so
 // consecutive products do not wait for each other. O and the running max and sum as
 // run_item's; O needs room for R rounded up to 16 rows.
 constexpr int SB = 4;  // key blocks per step (even: P V takes them two by two)
 constexpr int ZT = 4;  // O's tiles in flight: 16 dims each, D / 16 of them in D / 64 passes
 
-// Tiles 0-3: scores of 4 blocks, then O; 4, 5: query dims 0-31, 32-63 (then P and V); 6, 7: K.
+// Tiles 0-3: scores of 4 blocks, then O; 4, 5: queries (then P and V); 6, 7: K.
 inline void attn_tiles_begin() {
   minisgl::TileConfig c;
   for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
@@ -354,62 +364,122 @@ inline void attn_tiles_begin() {
     default: X(3);         \
   }
 
-// The key blocks of a prefill or extend batch loaded once (load_block) for all its items, not
-// once per item: in a 1024-token prefill each block is seen by 32 query blocks on average, and
-// requests that share a cached prefix (the same slots) share its blocks. Block j of request b
-// (keys 16 j ..) is unique block id[b * nb + j]; kt and vp of unique block u, kv head h at
-// (h * n + u) * D / 2 and (h * n + u) * 8 D / 16; a request's own blocks are consecutive, so
-// that two neighbours' key pairs are one 16-row tile of vp. Items of such batches start at key
-// 0 (no window, no split-K), so the blocks of an item's steps are blocks of its request.
+// The 16 K rows (D bf16 each, D apart) of the block of nk keys whose rows are krow: the pool's
+// own when the block is a run of 16 consecutive slots, else copied into buf (zeros past nk).
+inline const uint16_t* block_k(const uint16_t* const* krow, int nk, int64_t D, uint16_t* buf) {
+  bool run = nk == KB;
+  for (int j = 1; run && j < KB; ++j) run = krow[j] == krow[0] + j * D;
+  if (run) return krow[0];
+  for (int j = 0; j < KB; ++j) {
+    if (j < nk)
+      std::memcpy(buf + j * D, krow[j], D * 2);
+    else
+      std::memset(buf + j * D, 0, D * 2);
+  }
+  return buf;
+}
+
+// The key blocks of a prefill or extend batch loaded once for all its items, not once per item:
+// in a 1024-token prefill each block is seen by 32 query blocks on average, and requests that
+// share a cached prefix (the same slots) share its blocks. Block j of request b (keys 16 j ..)
+// is unique block id[b * nb + j]; for unique block u and kv head h, krow[h * n + u] is its 16 K
+// rows (block_k) and vp + (h * n + u) * 8 D / 16 its key pairs; a request's own blocks are
+// consecutive, so that two neighbours' key pairs are one 16-row tile of vp. Items of such
+// batches start at key 0 (no window, no split-K), so the blocks of an item's steps are blocks of
+// its request.
 struct Blocks {
   int64_t nb = 0, n = 0;  // blocks per request (row of id), unique blocks
   std::vector<int32_t> id;
-  const __m512i* kt = nullptr;  // in memory kept by the calling thread for its next calls
-  const __m512i* vp = nullptr;
+  std::vector<const uint16_t*> krow;
+  const __m512i* vp = nullptr;  // in memory kept by the calling thread for its next calls
 };
+
+// 16 vectors of 16 lanes each (u[i] lane n) to u[n] lane i.
+inline void transpose16(__m512* u) { transpose16(reinterpret_cast<__m512i*>(u)); }
 
 void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
                   const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
                   int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
                   int64_t S, int64_t G, int64_t D, float scale, int64_t window, float* O,
                   float* m, float* l, const Blocks* blocks) {
-  const int64_t R = it.nq * G, R16 = (R + 15) / 16 * 16, Z = D / 16;
-  alignas(64) static thread_local __m512i kt[SB][MAXD / 2];
+  const int64_t R = it.nq * G, NT = (R + 15) / 16, Z = D / 16, C = D / 32;
+  alignas(64) static thread_local __m512i qt[QB * 8 / 16][MAXD / 32][16];  // Q^T per row tile
+  alignas(64) static thread_local uint16_t kbuf[SB][KB * MAXD];  // K of blocks not in a run
   alignas(64) static thread_local __m512i vp[SB * KB / 2 * MAXD / 16];  // block sb at sb * 8 Z
-  alignas(64) static thread_local uint16_t pb[QB * 8][SB * KB];  // P of each row, bf16
-  alignas(64) static thread_local float sc[SB][16 * 16];          // scores of 16 rows
-  static thread_local std::vector<c10::BFloat16> qbuf;
+  alignas(64) static thread_local float sc[SB * KB][16];  // scores: a key per row, a lane per row
+  alignas(64) static thread_local uint16_t pa[16][SB * KB];  // P of 16 rows, bf16, a row each
   static thread_local std::vector<int64_t> qoff, lim, low;
   qoff.resize(R);
   lim.resize(R);
   low.resize(R);
   item_rows(it, prefix, qrow0, members, q_start, H, G, D, window, qoff.data(), lim.data(),
             low.data(), m, l);
-  qbuf.assign(R16 * D, c10::BFloat16(0.f));
-  for (int64_t r = 0; r < R; ++r) std::memcpy(&qbuf[r * D], q + qoff[r], D * 2);
-  std::fill(O, O + R16 * D, 0.f);
-  for (int64_t r = R; r < R16; ++r) std::memset(pb[r], 0, sizeof(pb[r]));
+  // Per row tile: Q^T (qt[t][c] row p lane n: dims 32 c + 2p, +1 of row 16 t + n), the rows'
+  // key ranges as lanes (rows past R see everything: zero queries, never written out), and
+  // their bounds; the running max and sum.
+  __m512i vlow[QB * 8 / 16], vlim[QB * 8 / 16];
+  int64_t low_max[QB * 8 / 16], low_min[QB * 8 / 16], lim_max[QB * 8 / 16],
+      lim_min[QB * 8 / 16];
+  __m512 mv[QB * 8 / 16], lv[QB * 8 / 16];
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t t = 0; t < NT; ++t) {
+    alignas(64) int32_t lo[16], li[16];
+    low_max[t] = lim_max[t] = 0;
+    low_min[t] = lim_min[t] = std::numeric_limits<int64_t>::max();
+    for (int64_t c = 0; c < C; ++c) {
+      __m512i* u = qt[t][c];
+      for (int n = 0; n < 16; ++n) {
+        const int64_t r = 16 * t + n;
+        u[n] = r < R ? _mm512_loadu_si512(q + qoff[r] + c * 32) : zero;
+      }
+      transpose16(u);
+    }
+    for (int n = 0; n < 16; ++n) {
+      const int64_t r = 16 * t + n;
+      lo[n] = r < R ? static_cast<int32_t>(low[r]) : 0;
+      li[n] = r < R ? static_cast<int32_t>(lim[r]) : std::numeric_limits<int32_t>::max();
+      if (r >= R) continue;
+      low_max[t] = std::max(low_max[t], low[r]);
+      low_min[t] = std::min(low_min[t], low[r]);
+      lim_max[t] = std::max(lim_max[t], lim[r]);
+      lim_min[t] = std::min(lim_min[t], lim[r]);
+    }
+    vlow[t] = _mm512_load_si512(lo);
+    vlim[t] = _mm512_load_si512(li);
+    mv[t] = _mm512_set1_ps(NEG_INF);
+    lv[t] = _mm512_setzero_ps();
+  }
+  std::fill(O, O + NT * 16 * D, 0.f);
   const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * D;
   const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * D;
   const int64_t* srow = slots + it.b * Lk;
+  const int32_t* ids = blocks && blocks->id[it.b * blocks->nb] >= 0
+                           ? blocks->id.data() + it.b * blocks->nb
+                           : nullptr;
+  const int64_t base = blocks ? it.h * blocks->n : 0;
+  // (p_2i, p_2i+1) of each lane as one 32-bit pair: words 0-15 of cvtne2ps_pbh(b, a) are a's
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+      19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(NEG_INF),
+               one = _mm512_set1_ps(1.f);
   attn_tiles_begin();
   for (int64_t kb0 = it.k0; kb0 < it.k1; kb0 += SB * KB) {
     int nk[SB];
     int nsb = 0;
-    const __m512i* ktp[SB];     // each block's transposed keys
+    const uint16_t* kp[SB];      // each block's 16 K rows
     const __m512i* vpp[SB / 2];  // each pair of blocks' 16 key pairs (16-row tiles)
-    const int32_t* ids = blocks && blocks->id[it.b * blocks->nb] >= 0
-                             ? blocks->id.data() + it.b * blocks->nb
-                             : nullptr;
-    const int64_t base = blocks ? it.h * blocks->n : 0;
     for (; nsb < SB && kb0 + nsb * KB < it.k1; ++nsb) {
       const int64_t kb = kb0 + nsb * KB;
+      nk[nsb] = static_cast<int>(std::min<int64_t>(KB, it.k1 - kb));
       if (ids == nullptr) {
-        nk[nsb] = load_block(kh, vh, srow, kb, it.k1, D, kt[nsb], vp + nsb * 8 * Z);
-        ktp[nsb] = kt[nsb];
+        const uint16_t* krow[KB];
+        const uint16_t* vrow[KB];
+        block_rows(kh, vh, srow, kb, nk[nsb], it.k1, D, krow, vrow);
+        kp[nsb] = block_k(krow, nk[nsb], D, kbuf[nsb]);
+        pair_rows(vrow, D, vp + nsb * 8 * Z);
       } else {
-        nk[nsb] = static_cast<int>(std::min<int64_t>(KB, it.k1 - kb));
-        ktp[nsb] = blocks->kt + (base + ids[kb / KB]) * (D / 2);
+        kp[nsb] = blocks->krow[base + ids[kb / KB]];
       }
     }
     const int npair = (nsb + 1) / 2;  // P V steps of 32 keys; an odd last block's partner is 0
@@ -426,69 +496,84 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
         std::copy(b, b + 8 * Z, vp + pp * 16 * Z + 8 * Z);
       }
     }
-    for (int64_t r0 = 0; r0 < R; r0 += 16) {
+    const int nkeys = (nsb - 1) * KB + nk[nsb - 1];
+    for (int64_t t = 0; t < NT; ++t) {
+      if (low_min[t] >= kb0 + nkeys || lim_max[t] <= kb0) continue;  // no row sees these keys
 #define MINISGL_ZERO(n) _tile_zero(n)
       for (int sb = 0; sb < nsb; ++sb) MINISGL_TILE4(sb, MINISGL_ZERO)
-      for (int64_t c = 0; c < D / 32; c += 2) {  // 64 dims per pass: queries in tiles 4, 5
-        _tile_loadd(4, &qbuf[r0 * D + c * 32], D * 2);
-        if (c + 1 < D / 32) _tile_loadd(5, &qbuf[r0 * D + (c + 1) * 32], D * 2);
-#define MINISGL_QK(n)                             \
-  _tile_loadd(6, ktp[sb] + c * 16, 64);           \
-  _tile_dpbf16ps(n, 4, 6);                        \
-  if (c + 1 < D / 32) {                           \
-    _tile_loadd(7, ktp[sb] + (c + 1) * 16, 64);   \
-    _tile_dpbf16ps(n, 5, 7);                      \
+      for (int64_t c = 0; c < C; c += 2) {  // 64 dims per pass: Q^T in tiles 4, 5
+        _tile_loadd(4, qt[t][c], 64);
+        if (c + 1 < C) _tile_loadd(5, qt[t][c + 1], 64);
+#define MINISGL_QK(n)                          \
+  _tile_loadd(6, kp[sb] + c * 32, D * 2);      \
+  _tile_dpbf16ps(n, 6, 4);                     \
+  if (c + 1 < C) {                             \
+    _tile_loadd(7, kp[sb] + (c + 1) * 32, D * 2); \
+    _tile_dpbf16ps(n, 7, 5);                   \
   }
         for (int sb = 0; sb < nsb; ++sb) MINISGL_TILE4(sb, MINISGL_QK)
       }
-#define MINISGL_SCORES(n) _tile_stored(n, sc[sb], 64)
+#define MINISGL_SCORES(n) _tile_stored(n, sc[sb * KB], 64)
       for (int sb = 0; sb < nsb; ++sb) MINISGL_TILE4(sb, MINISGL_SCORES)
       // Rows that see all 64 keys of the step (prefill and extend away from the diagonal, a
-      // shared prefix's decode queries) take whole blocks: no lane masks to work out.
-      const int64_t r1 = std::min(R, r0 + 16);
-      bool full = nsb == SB && nk[SB - 1] == KB;
-      for (int64_t r = r0; full && r < r1; ++r) full = low[r] <= kb0 && lim[r] >= kb0 + SB * KB;
-      for (int64_t r = r0; r < r1; ++r) {
-        __m512 x[SB];
-        __mmask16 mask[SB];
-        __m512 vmax = _mm512_set1_ps(NEG_INF);
-        bool any = full;
-        for (int sb = 0; sb < nsb; ++sb) {
-          int64_t hidden, visible;
-          if (full)
-            mask[sb] = __mmask16(0xFFFF);
-          else
-            mask[sb] = row_lanes(low[r], lim[r], kb0 + sb * KB, nk[sb], hidden, visible)
-                           ? lane_mask(hidden, visible)
-                           : __mmask16(0);
-          any |= mask[sb] != 0;
-          x[sb] = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_INF), mask[sb],
-                                     _mm512_mul_ps(_mm512_load_ps(sc[sb] + (r - r0) * 16),
-                                                   _mm512_set1_ps(scale)));
-          vmax = _mm512_max_ps(vmax, x[sb]);
+      // shared prefix's decode queries) need no masks.
+      const bool full = nkeys == SB * KB && low_max[t] <= kb0 && lim_min[t] >= kb0 + SB * KB;
+      __mmask16 seen[SB * KB];
+      __m512 vmax = ninf;
+      for (int j = 0; j < nkeys; ++j) {
+        __m512 x = _mm512_mul_ps(_mm512_load_ps(sc[j]), vscale);
+        if (!full) {
+          const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(kb0 + j));
+          seen[j] = _mm512_cmple_epi32_mask(vlow[t], key) & _mm512_cmplt_epi32_mask(key, vlim[t]);
+          x = _mm512_mask_mov_ps(ninf, seen[j], x);
         }
-        if (!any) {
-          std::memset(pb[r], 0, sizeof(pb[r]));
-          continue;
-        }
-        const float mx = std::max(m[r], _mm512_reduce_max_ps(vmax));
-        __m512 sum = _mm512_setzero_ps();
-        for (int sb = 0; sb < nsb; ++sb) {
-          const __m512 p = _mm512_maskz_mov_ps(mask[sb],
-                                               exp16(_mm512_sub_ps(x[sb], _mm512_set1_ps(mx))));
-          sum = _mm512_add_ps(sum, p);
-          _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r] + sb * KB),
-                             (__m256i)_mm512_cvtneps_pbh(p));
-        }
-        if (nsb % 2) std::memset(pb[r] + nsb * KB, 0, KB * 2);
-        online_update(m[r], l[r], mx, _mm512_reduce_add_ps(sum), O + r * D, D);
+        vmax = _mm512_max_ps(vmax, x);
       }
+      const __m512 mnew = _mm512_max_ps(mv[t], vmax);
+      // rows that have seen no key yet subtract 0, not -inf (their p are masked to 0)
+      const __m512 mb = _mm512_mask_mov_ps(mnew, _mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ),
+                                           _mm512_setzero_ps());
+      const __m512 corr = exp16(_mm512_sub_ps(mv[t], mb));
+      __m512 sum = _mm512_setzero_ps();
+      __m512 u[16];
+      for (int j = 0; j < npair * 2 * KB; j += 2) {
+        __m512 p[2];
+        for (int e = 0; e < 2; ++e) {
+          if (j + e >= nkeys) {
+            p[e] = _mm512_setzero_ps();
+            continue;
+          }
+          const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(sc[j + e]), vscale, mb);
+          p[e] = full ? exp16(x) : _mm512_maskz_mov_ps(seen[j + e], exp16(x));
+          sum = _mm512_add_ps(sum, p[e]);
+        }
+        u[(j / 2) % 16] = _mm512_castsi512_ps(_mm512_permutexvar_epi16(
+            interleave, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0])));
+        if ((j / 2) % 16 == 15) {  // 32 keys: row n's 16 pairs to pa[n]
+          transpose16(u);
+          for (int n = 0; n < 16; ++n)
+            _mm512_store_ps(reinterpret_cast<float*>(pa[n] + (j / 32) * 32), u[n]);
+        }
+      }
+      lv[t] = _mm512_fmadd_ps(lv[t], corr, sum);
+      mv[t] = mnew;
+      if (const __mmask16 changed = _mm512_cmp_ps_mask(corr, one, _CMP_NEQ_UQ)) {
+        alignas(64) float cf[16];
+        _mm512_store_ps(cf, corr);
+        for (int n = 0; n < 16; ++n) {
+          if (!(changed >> n & 1)) continue;
+          float* o = O + (16 * t + n) * D;
+          for (int64_t z = 0; z < D; z += 16)
+            _mm512_storeu_ps(o + z, _mm512_mul_ps(_mm512_loadu_ps(o + z), _mm512_set1_ps(cf[n])));
+        }
+      }
+      float* Ot = O + 16 * t * D;
       for (int64_t z0 = 0; z0 < Z; z0 += ZT) {  // O += P V for these rows, ZT x 16 dims at once
         const int nz = static_cast<int>(std::min<int64_t>(ZT, Z - z0));
-#define MINISGL_OLOAD(n) _tile_loadd(n, O + r0 * D + (z0 + zt) * 16, D * 4)
+#define MINISGL_OLOAD(n) _tile_loadd(n, Ot + (z0 + zt) * 16, D * 4)
         for (int zt = 0; zt < nz; ++zt) MINISGL_TILE4(zt, MINISGL_OLOAD)
         for (int pp = 0; pp < npair; ++pp) {
-          _tile_loadd(4, pb[r0] + pp * 2 * KB, SB * KB * 2);
+          _tile_loadd(4, pa[0] + pp * 2 * KB, SB * KB * 2);
 #define MINISGL_PV(n, vt)                                    \
   _tile_loadd(vt, vpp[pp] + z0 + zt, Z * 64);              \
   _tile_dpbf16ps(n, 4, vt)
@@ -502,12 +587,18 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
             }
           }
         }
-#define MINISGL_OSTORE(n) _tile_stored(n, O + r0 * D + (z0 + zt) * 16, D * 4)
+#define MINISGL_OSTORE(n) _tile_stored(n, Ot + (z0 + zt) * 16, D * 4)
         for (int zt = 0; zt < nz; ++zt) MINISGL_TILE4(zt, MINISGL_OSTORE)
       }
     }
   }
   _tile_release();
+  for (int64_t t = 0; t < NT; ++t) {
+    alignas(64) float mf[16], lf[16];
+    _mm512_store_ps(mf, mv[t]);
+    _mm512_store_ps(lf, lv[t]);
+    for (int64_t n = 0; n < 16 && 16 * t + n < R; ++n) m[16 * t + n] = mf[n], l[16 * t + n] = lf[n];
+  }
 }
 
 // Fills blocks for the batch's requests whose items run on tiles (at least 16 rows: a mixed
@@ -545,17 +636,19 @@ void build_blocks(Blocks& blocks, const at::Tensor& k, const at::Tensor& v, cons
       blocks.id[b * blocks.nb + j] = u;
     }
   }
-  const int64_t n = blocks.n = static_cast<int64_t>(first.size()), P = D / 2, V = 8 * (D / 16);
+  const int64_t n = blocks.n = static_cast<int64_t>(first.size()), V = 8 * (D / 16);
   // reused from call to call (a fresh allocation of megabytes per layer faults its pages in);
-  // one zero block past the last: an odd last block's pair partner (P is 0 there)
-  static thread_local std::vector<__m512i> kt_store, vp_store;
-  if (kt_store.size() < static_cast<size_t>((KVH * n + 1) * P)) kt_store.resize((KVH * n + 1) * P);
+  // one zero block past the last: an odd last block's pair partner (P is 0 there). K rows of
+  // blocks that are not a run of slots are copied into kcopy.
+  static thread_local std::vector<__m512i> vp_store;
+  static thread_local std::vector<uint16_t> kcopy;
   if (vp_store.size() < static_cast<size_t>((KVH * n + 1) * V)) vp_store.resize((KVH * n + 1) * V);
+  if (kcopy.size() < static_cast<size_t>(KVH * n * KB * D)) kcopy.resize(KVH * n * KB * D);
   std::fill_n(vp_store.data() + KVH * n * V, V, _mm512_setzero_si512());
-  __m512i* kt = kt_store.data();
   __m512i* vpairs = vp_store.data();
-  blocks.kt = kt;
+  uint16_t* kc = kcopy.data();  // (a thread_local named in the loop below is each thread's own)
   blocks.vp = vpairs;
+  blocks.krow.resize(KVH * n);
   const int64_t S = k.size(1);
   const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<c10::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<c10::BFloat16>());
@@ -563,8 +656,12 @@ void build_blocks(Blocks& blocks, const at::Tensor& k, const at::Tensor& v, cons
     for (int64_t hu = begin; hu < end; ++hu) {
       const int64_t h = hu / n;
       const auto [b, j] = first[hu % n];
-      load_block(kp + h * S * D, vp + h * S * D, slots + b * Lk, j * KB, kl[b], D, kt + hu * P,
-                 vpairs + hu * V);
+      const int nk = static_cast<int>(std::min<int64_t>(KB, kl[b] - j * KB));
+      const uint16_t* krow[KB];
+      const uint16_t* vrow[KB];
+      block_rows(kp + h * S * D, vp + h * S * D, slots + b * Lk, j * KB, nk, kl[b], D, krow, vrow);
+      blocks.krow[hu] = block_k(krow, nk, D, kc + hu * KB * D);
+      pair_rows(vrow, D, vpairs + hu * V);
     }
   });
 }
