@@ -397,16 +397,27 @@ struct Blocks {
 // 16 vectors of 16 lanes each (u[i] lane n) to u[n] lane i.
 inline void transpose16(__m512* u) { transpose16(reinterpret_cast<__m512i*>(u)); }
 
+// A step's key blocks, ready for both products (run_item_amx).
+struct Step {
+  int64_t kb0 = 0;        // first key
+  int nsb = 0, nkeys = 0;  // blocks, keys
+  const uint16_t* kp[SB];  // each block's 16 K rows
+  const __m512i* vp[SB / 2];  // each pair of blocks' 16 key pairs (16-row tiles)
+};
+
 void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
                   const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
                   int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
                   int64_t S, int64_t G, int64_t D, float scale, int64_t window, float* O,
                   float* m, float* l, const Blocks* blocks) {
+  constexpr int MT = QB * 8 / 16;  // row tiles at most
   const int64_t R = it.nq * G, NT = (R + 15) / 16, Z = D / 16, C = D / 32;
-  alignas(64) static thread_local __m512i qt[QB * 8 / 16][MAXD / 32][16];  // Q^T per row tile
-  alignas(64) static thread_local uint16_t kbuf[SB][KB * MAXD];  // K of blocks not in a run
-  alignas(64) static thread_local __m512i vp[SB * KB / 2 * MAXD / 16];  // block sb at sb * 8 Z
-  alignas(64) static thread_local float sc[SB * KB][16];  // scores: a key per row, a lane per row
+  alignas(64) static thread_local __m512i qt[MT][MAXD / 32][16];  // Q^T per row tile
+  // two steps' K (blocks not in a run of slots) and V pairs: the next step's are loaded while
+  // this one's products run
+  alignas(64) static thread_local uint16_t kbuf[2][SB][KB * MAXD];
+  alignas(64) static thread_local __m512i vbuf[2][SB * KB / 2 * MAXD / 16];  // block sb at sb * 8 Z
+  alignas(64) static thread_local float sc[2][SB * KB][16];  // scores: a key per row, a lane per row
   alignas(64) static thread_local uint16_t pa[16][SB * KB];  // P of 16 rows, bf16, a row each
   static thread_local std::vector<int64_t> qoff, lim, low;
   qoff.resize(R);
@@ -417,10 +428,9 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
   // Per row tile: Q^T (qt[t][c] row p lane n: dims 32 c + 2p, +1 of row 16 t + n), the rows'
   // key ranges as lanes (rows past R see everything: zero queries, never written out), and
   // their bounds; the running max and sum.
-  __m512i vlow[QB * 8 / 16], vlim[QB * 8 / 16];
-  int64_t low_max[QB * 8 / 16], low_min[QB * 8 / 16], lim_max[QB * 8 / 16],
-      lim_min[QB * 8 / 16];
-  __m512 mv[QB * 8 / 16], lv[QB * 8 / 16];
+  __m512i vlow[MT], vlim[MT];
+  int64_t low_max[MT], low_min[MT], lim_max[MT], lim_min[MT];
+  __m512 mv[MT], lv[MT];
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t t = 0; t < NT; ++t) {
     alignas(64) int32_t lo[16], li[16];
@@ -457,147 +467,190 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
                            ? blocks->id.data() + it.b * blocks->nb
                            : nullptr;
   const int64_t base = blocks ? it.h * blocks->n : 0;
-  // (p_2i, p_2i+1) of each lane as one 32-bit pair: words 0-15 of cvtne2ps_pbh(b, a) are a's
-  const __m512i interleave = _mm512_set_epi16(
-      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
-      19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(NEG_INF),
-               one = _mm512_set1_ps(1.f);
-  attn_tiles_begin();
-  for (int64_t kb0 = it.k0; kb0 < it.k1; kb0 += SB * KB) {
-    int nk[SB];
-    int nsb = 0;
-    const uint16_t* kp[SB];      // each block's 16 K rows
-    const __m512i* vpp[SB / 2];  // each pair of blocks' 16 key pairs (16-row tiles)
-    for (; nsb < SB && kb0 + nsb * KB < it.k1; ++nsb) {
-      const int64_t kb = kb0 + nsb * KB;
-      nk[nsb] = static_cast<int>(std::min<int64_t>(KB, it.k1 - kb));
+
+  // The step of keys kb0 .. into st, with buffers x.
+  auto prepare = [&](int64_t kb0, Step& st, int x) {
+    st.kb0 = kb0;
+    st.nsb = 0;
+    int last = 0;
+    __m512i* vp = vbuf[x];
+    for (; st.nsb < SB && kb0 + st.nsb * KB < it.k1; ++st.nsb) {
+      const int sb = st.nsb;
+      const int64_t kb = kb0 + sb * KB;
+      last = static_cast<int>(std::min<int64_t>(KB, it.k1 - kb));
       if (ids == nullptr) {
         const uint16_t* krow[KB];
         const uint16_t* vrow[KB];
-        block_rows(kh, vh, srow, kb, nk[nsb], it.k1, D, krow, vrow);
-        kp[nsb] = block_k(krow, nk[nsb], D, kbuf[nsb]);
-        pair_rows(vrow, D, vp + nsb * 8 * Z);
+        block_rows(kh, vh, srow, kb, last, it.k1, D, krow, vrow);
+        st.kp[sb] = block_k(krow, last, D, kbuf[x][sb]);
+        pair_rows(vrow, D, vp + sb * 8 * Z);
       } else {
-        kp[nsb] = blocks->krow[base + ids[kb / KB]];
+        st.kp[sb] = blocks->krow[base + ids[kb / KB]];
       }
     }
-    const int npair = (nsb + 1) / 2;  // P V steps of 32 keys; an odd last block's partner is 0
-    for (int pp = 0; pp < npair; ++pp) {
-      vpp[pp] = vp + pp * 16 * Z;
+    st.nkeys = (st.nsb - 1) * KB + last;
+    for (int pp = 0; pp < (st.nsb + 1) / 2; ++pp) {  // P V steps of 32 keys
+      st.vp[pp] = vp + pp * 16 * Z;
       if (ids == nullptr) continue;
       const int64_t j = kb0 / KB + 2 * pp;
       const __m512i* a = blocks->vp + (base + ids[j]) * 8 * Z;
-      if (2 * pp + 1 == nsb || ids[j + 1] == ids[j] + 1) {  // (past an odd last block: finite
-        vpp[pp] = a;                                       // data or the zero block, P is 0)
+      if (2 * pp + 1 == st.nsb || ids[j + 1] == ids[j] + 1) {  // (past an odd last block:
+        st.vp[pp] = a;                                 // finite data or the zero block, P is 0)
       } else {  // a shared prefix's last block and the request's first: not neighbours
         const __m512i* b = blocks->vp + (base + ids[j + 1]) * 8 * Z;
         std::copy(a, a + 8 * Z, vp + pp * 16 * Z);
         std::copy(b, b + 8 * Z, vp + pp * 16 * Z + 8 * Z);
       }
     }
-    const int nkeys = (nsb - 1) * KB + nk[nsb - 1];
-    for (int64_t t = 0; t < NT; ++t) {
-      if (low_min[t] >= kb0 + nkeys || lim_max[t] <= kb0) continue;  // no row sees these keys
+  };
+  // S^T of row tile t and the step's keys into scores (a key per row).
+  auto scores_of = [&](const Step& st, int64_t t, float (*scores)[16]) {
 #define MINISGL_ZERO(n) _tile_zero(n)
-      for (int sb = 0; sb < nsb; ++sb) MINISGL_TILE4(sb, MINISGL_ZERO)
-      for (int64_t c = 0; c < C; c += 2) {  // 64 dims per pass: Q^T in tiles 4, 5
-        _tile_loadd(4, qt[t][c], 64);
-        if (c + 1 < C) _tile_loadd(5, qt[t][c + 1], 64);
-#define MINISGL_QK(n)                          \
-  _tile_loadd(6, kp[sb] + c * 32, D * 2);      \
-  _tile_dpbf16ps(n, 6, 4);                     \
-  if (c + 1 < C) {                             \
-    _tile_loadd(7, kp[sb] + (c + 1) * 32, D * 2); \
-    _tile_dpbf16ps(n, 7, 5);                   \
+    for (int sb = 0; sb < st.nsb; ++sb) MINISGL_TILE4(sb, MINISGL_ZERO)
+    for (int64_t c = 0; c < C; c += 2) {  // 64 dims per pass: Q^T in tiles 4, 5
+      _tile_loadd(4, qt[t][c], 64);
+      if (c + 1 < C) _tile_loadd(5, qt[t][c + 1], 64);
+#define MINISGL_QK(n)                                \
+  _tile_loadd(6, st.kp[sb] + c * 32, D * 2);         \
+  _tile_dpbf16ps(n, 6, 4);                           \
+  if (c + 1 < C) {                                   \
+    _tile_loadd(7, st.kp[sb] + (c + 1) * 32, D * 2); \
+    _tile_dpbf16ps(n, 7, 5);                         \
   }
-        for (int sb = 0; sb < nsb; ++sb) MINISGL_TILE4(sb, MINISGL_QK)
+      for (int sb = 0; sb < st.nsb; ++sb) MINISGL_TILE4(sb, MINISGL_QK)
+    }
+#define MINISGL_SCORES(n) _tile_stored(n, scores[sb * KB], 64)
+    for (int sb = 0; sb < st.nsb; ++sb) MINISGL_TILE4(sb, MINISGL_SCORES)
+  };
+  // (p_2i, p_2i+1) of each lane as one 32-bit pair: words 0-15 of cvtne2ps_pbh(b, a) are a's
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+      19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(NEG_INF),
+               one = _mm512_set1_ps(1.f);
+  // The online softmax of row tile t over the step's scores, then O += P V.
+  auto softmax_pv = [&](const Step& st, int64_t t, float (*scores)[16]) {
+    const int64_t kb0 = st.kb0;
+    const int nkeys = st.nkeys, npair = (st.nsb + 1) / 2;
+    // Rows that see all 64 keys of the step (prefill and extend away from the diagonal, a
+    // shared prefix's decode queries) need no masks.
+    const bool full = nkeys == SB * KB && low_max[t] <= kb0 && lim_min[t] >= kb0 + SB * KB;
+    __mmask16 seen[SB * KB];
+    __m512 vmax = ninf;
+    for (int j = 0; j < nkeys; ++j) {
+      __m512 x = _mm512_mul_ps(_mm512_load_ps(scores[j]), vscale);
+      if (!full) {
+        const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(kb0 + j));
+        seen[j] = _mm512_cmple_epi32_mask(vlow[t], key) & _mm512_cmplt_epi32_mask(key, vlim[t]);
+        x = _mm512_mask_mov_ps(ninf, seen[j], x);
       }
-#define MINISGL_SCORES(n) _tile_stored(n, sc[sb * KB], 64)
-      for (int sb = 0; sb < nsb; ++sb) MINISGL_TILE4(sb, MINISGL_SCORES)
-      // Rows that see all 64 keys of the step (prefill and extend away from the diagonal, a
-      // shared prefix's decode queries) need no masks.
-      const bool full = nkeys == SB * KB && low_max[t] <= kb0 && lim_min[t] >= kb0 + SB * KB;
-      __mmask16 seen[SB * KB];
-      __m512 vmax = ninf;
-      for (int j = 0; j < nkeys; ++j) {
-        __m512 x = _mm512_mul_ps(_mm512_load_ps(sc[j]), vscale);
-        if (!full) {
-          const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(kb0 + j));
-          seen[j] = _mm512_cmple_epi32_mask(vlow[t], key) & _mm512_cmplt_epi32_mask(key, vlim[t]);
-          x = _mm512_mask_mov_ps(ninf, seen[j], x);
+      vmax = _mm512_max_ps(vmax, x);
+    }
+    const __m512 mnew = _mm512_max_ps(mv[t], vmax);
+    // rows that have seen no key yet subtract 0, not -inf (their p are masked to 0)
+    const __m512 mb = _mm512_mask_mov_ps(mnew, _mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ),
+                                         _mm512_setzero_ps());
+    const __m512 corr = exp16(_mm512_sub_ps(mv[t], mb));
+    __m512 sum = _mm512_setzero_ps();
+    __m512 u[16];
+    for (int j = 0; j < npair * 2 * KB; j += 2) {
+      __m512 p[2];
+      for (int e = 0; e < 2; ++e) {
+        if (j + e >= nkeys) {
+          p[e] = _mm512_setzero_ps();
+          continue;
         }
-        vmax = _mm512_max_ps(vmax, x);
+        const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(scores[j + e]), vscale, mb);
+        p[e] = full ? exp16(x) : _mm512_maskz_mov_ps(seen[j + e], exp16(x));
+        sum = _mm512_add_ps(sum, p[e]);
       }
-      const __m512 mnew = _mm512_max_ps(mv[t], vmax);
-      // rows that have seen no key yet subtract 0, not -inf (their p are masked to 0)
-      const __m512 mb = _mm512_mask_mov_ps(mnew, _mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ),
-                                           _mm512_setzero_ps());
-      const __m512 corr = exp16(_mm512_sub_ps(mv[t], mb));
-      __m512 sum = _mm512_setzero_ps();
-      __m512 u[16];
-      for (int j = 0; j < npair * 2 * KB; j += 2) {
-        __m512 p[2];
-        for (int e = 0; e < 2; ++e) {
-          if (j + e >= nkeys) {
-            p[e] = _mm512_setzero_ps();
-            continue;
-          }
-          const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(sc[j + e]), vscale, mb);
-          p[e] = full ? exp16(x) : _mm512_maskz_mov_ps(seen[j + e], exp16(x));
-          sum = _mm512_add_ps(sum, p[e]);
-        }
-        u[(j / 2) % 16] = _mm512_castsi512_ps(_mm512_permutexvar_epi16(
-            interleave, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0])));
-        if ((j / 2) % 16 == 15) {  // 32 keys: row n's 16 pairs to pa[n]
-          transpose16(u);
-          for (int n = 0; n < 16; ++n)
-            _mm512_store_ps(reinterpret_cast<float*>(pa[n] + (j / 32) * 32), u[n]);
-        }
+      u[(j / 2) % 16] = _mm512_castsi512_ps(_mm512_permutexvar_epi16(
+          interleave, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0])));
+      if ((j / 2) % 16 == 15) {  // 32 keys: row n's 16 pairs to pa[n]
+        transpose16(u);
+        for (int n = 0; n < 16; ++n)
+          _mm512_store_ps(reinterpret_cast<float*>(pa[n] + (j / 32) * 32), u[n]);
       }
-      lv[t] = _mm512_fmadd_ps(lv[t], corr, sum);
-      mv[t] = mnew;
-      if (const __mmask16 changed = _mm512_cmp_ps_mask(corr, one, _CMP_NEQ_UQ)) {
-        alignas(64) float cf[16];
-        _mm512_store_ps(cf, corr);
-        for (int n = 0; n < 16; ++n) {
-          if (!(changed >> n & 1)) continue;
-          float* o = O + (16 * t + n) * D;
-          for (int64_t z = 0; z < D; z += 16)
-            _mm512_storeu_ps(o + z, _mm512_mul_ps(_mm512_loadu_ps(o + z), _mm512_set1_ps(cf[n])));
-        }
+    }
+    lv[t] = _mm512_fmadd_ps(lv[t], corr, sum);
+    mv[t] = mnew;
+    if (const __mmask16 changed = _mm512_cmp_ps_mask(corr, one, _CMP_NEQ_UQ)) {
+      alignas(64) float cf[16];
+      _mm512_store_ps(cf, corr);
+      for (int n = 0; n < 16; ++n) {
+        if (!(changed >> n & 1)) continue;
+        float* o = O + (16 * t + n) * D;
+        for (int64_t z = 0; z < D; z += 16)
+          _mm512_storeu_ps(o + z, _mm512_mul_ps(_mm512_loadu_ps(o + z), _mm512_set1_ps(cf[n])));
       }
-      float* Ot = O + 16 * t * D;
-      for (int64_t z0 = 0; z0 < Z; z0 += ZT) {  // O += P V for these rows, ZT x 16 dims at once
-        const int nz = static_cast<int>(std::min<int64_t>(ZT, Z - z0));
+    }
+    float* Ot = O + 16 * t * D;
+    for (int64_t z0 = 0; z0 < Z; z0 += ZT) {  // O += P V for these rows, ZT x 16 dims at once
+      const int nz = static_cast<int>(std::min<int64_t>(ZT, Z - z0));
 #define MINISGL_OLOAD(n) _tile_loadd(n, Ot + (z0 + zt) * 16, D * 4)
-        for (int zt = 0; zt < nz; ++zt) MINISGL_TILE4(zt, MINISGL_OLOAD)
-        for (int pp = 0; pp < npair; ++pp) {
-          _tile_loadd(4, pa[0] + pp * 2 * KB, SB * KB * 2);
-#define MINISGL_PV(n, vt)                                    \
-  _tile_loadd(vt, vpp[pp] + z0 + zt, Z * 64);              \
+      for (int zt = 0; zt < nz; ++zt) MINISGL_TILE4(zt, MINISGL_OLOAD)
+      for (int pp = 0; pp < npair; ++pp) {
+        _tile_loadd(4, pa[0] + pp * 2 * KB, SB * KB * 2);
+#define MINISGL_PV(n, vt)                        \
+  _tile_loadd(vt, st.vp[pp] + z0 + zt, Z * 64);  \
   _tile_dpbf16ps(n, 4, vt)
 #define MINISGL_PV_EVEN(n) MINISGL_PV(n, 5)
 #define MINISGL_PV_ODD(n) MINISGL_PV(n, 6)
-          for (int zt = 0; zt < nz; ++zt) {  // V alternates between tiles 5 and 6
-            if (zt % 2) {
-              MINISGL_TILE4(zt, MINISGL_PV_ODD)
-            } else {
-              MINISGL_TILE4(zt, MINISGL_PV_EVEN)
-            }
+        for (int zt = 0; zt < nz; ++zt) {  // V alternates between tiles 5 and 6
+          if (zt % 2) {
+            MINISGL_TILE4(zt, MINISGL_PV_ODD)
+          } else {
+            MINISGL_TILE4(zt, MINISGL_PV_EVEN)
           }
         }
-#define MINISGL_OSTORE(n) _tile_stored(n, Ot + (z0 + zt) * 16, D * 4)
-        for (int zt = 0; zt < nz; ++zt) MINISGL_TILE4(zt, MINISGL_OSTORE)
       }
+#define MINISGL_OSTORE(n) _tile_stored(n, Ot + (z0 + zt) * 16, D * 4)
+      for (int zt = 0; zt < nz; ++zt) MINISGL_TILE4(zt, MINISGL_OSTORE)
     }
+  };
+
+  // Units (step, row tile) whose rows see some of the step's keys, software-pipelined: the
+  // next unit's scores are asked of the tiles before this unit's softmax runs on the vector
+  // units (the tile unit works on while they do), and a step's blocks are loaded before the
+  // previous step's last softmax.
+  auto sees = [&](int64_t kb0, int64_t t) {
+    return low_min[t] < std::min(it.k1, kb0 + SB * KB) && lim_max[t] > kb0;
+  };
+  Step st[2];
+  int cur_step = 0;  // st[] index of the unit's step
+  int64_t kb0 = it.k0, t = 0;
+  while (kb0 < it.k1 && !sees(kb0, t)) {  // the first unit
+    if (++t == NT) t = 0, kb0 += SB * KB;
+  }
+  if (kb0 >= it.k1) return;  // (no row sees any key: cannot happen for an item)
+  attn_tiles_begin();
+  prepare(kb0, st[0], 0);
+  int slot = 0;
+  scores_of(st[0], t, sc[0]);
+  while (true) {
+    int64_t nkb0 = kb0, nt = t;  // the next unit
+    do {
+      if (++nt == NT) nt = 0, nkb0 += SB * KB;
+    } while (nkb0 < it.k1 && !sees(nkb0, nt));
+    int next_step = cur_step;
+    if (nkb0 < it.k1) {
+      if (nkb0 != kb0) {
+        next_step = 1 - cur_step;
+        prepare(nkb0, st[next_step], next_step);
+      }
+      scores_of(st[next_step], nt, sc[1 - slot]);
+    }
+    softmax_pv(st[cur_step], t, sc[slot]);
+    if (nkb0 >= it.k1) break;
+    kb0 = nkb0, t = nt, cur_step = next_step, slot = 1 - slot;
   }
   _tile_release();
-  for (int64_t t = 0; t < NT; ++t) {
+  for (int64_t tt = 0; tt < NT; ++tt) {
     alignas(64) float mf[16], lf[16];
-    _mm512_store_ps(mf, mv[t]);
-    _mm512_store_ps(lf, lv[t]);
-    for (int64_t n = 0; n < 16 && 16 * t + n < R; ++n) m[16 * t + n] = mf[n], l[16 * t + n] = lf[n];
+    _mm512_store_ps(mf, mv[tt]);
+    _mm512_store_ps(lf, lv[tt]);
+    for (int64_t n = 0; n < 16 && 16 * tt + n < R; ++n)
+      m[16 * tt + n] = mf[n], l[16 * tt + n] = lf[n];
   }
 }
 
