@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numbers>
 #include <type_traits>
 #include <unordered_map>
 #include <vector>
@@ -126,19 +127,24 @@ inline void prefetch_rows(const uint16_t* kh, const uint16_t* vh, const int64_t*
   }
 }
 
-// The K and V rows of the block of keys kb .. kb + nk - 1 (null past nk), and prefetches.
-// Pages are scattered in the pool: ask for the rows two blocks ahead of use into L1, then the
-// rows three blocks ahead into L2 (prefetcht2). Measured for 64 decode requests x 1,104 keys
-// on scattered pages (K/V from DRAM, AVX-512): L1 alone two ahead 5.9 ms, three ahead 6.0, L2
-// alone 6.3-7.1, both 3.2-3.4 ms per layer (4.1 with the L2 loop first); from cache (16 x 600
-// keys) unchanged.
-inline void block_rows(const uint16_t* kh, const uint16_t* vh, const int64_t* srow, int64_t kb,
-                       int nk, int64_t k1, int64_t D, const uint16_t** krow,
-                       const uint16_t** vrow) {
+// The K and V rows of the block of keys kb .. kb + nk - 1 (null past nk).
+inline void row_ptrs(const uint16_t* kh, const uint16_t* vh, const int64_t* srow, int64_t kb,
+                     int nk, int64_t D, const uint16_t** krow, const uint16_t** vrow) {
   for (int j = 0; j < KB; ++j) {
     krow[j] = j < nk ? kh + srow[kb + j] * D : nullptr;
     vrow[j] = j < nk ? vh + srow[kb + j] * D : nullptr;
   }
+}
+
+// row_ptrs, and prefetches. Pages are scattered in the pool: ask for the rows two blocks ahead
+// of use into L1, then the rows three blocks ahead into L2 (prefetcht2). Measured for 64 decode
+// requests x 1,104 keys on scattered pages (K/V from DRAM, AVX-512): L1 alone two ahead 5.9 ms,
+// three ahead 6.0, L2 alone 6.3-7.1, both 3.2-3.4 ms per layer (4.1 with the L2 loop first);
+// from cache (16 x 600 keys) unchanged.
+inline void block_rows(const uint16_t* kh, const uint16_t* vh, const int64_t* srow, int64_t kb,
+                       int nk, int64_t k1, int64_t D, const uint16_t** krow,
+                       const uint16_t** vrow) {
+  row_ptrs(kh, vh, srow, kb, nk, D, krow, vrow);
   prefetch_rows<3>(kh, vh, srow, kb + 2 * KB, std::min(kb + 3 * KB, k1), D);
   prefetch_rows<1>(kh, vh, srow, kb + 3 * KB, std::min(kb + 4 * KB, k1), D);
 }
@@ -150,7 +156,7 @@ inline void block_rows(const uint16_t* kh, const uint16_t* vh, const int64_t* sr
 using minisgl_vec::exp16;
 
 // 16 x 16 transpose of 32-bit words, in place.
-inline void transpose16(__m512i* r) {
+__attribute__((always_inline)) inline void transpose16(__m512i* r) {
   __m512i t[16];
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
@@ -394,8 +400,24 @@ struct Blocks {
   const __m512i* vp = nullptr;  // in memory kept by the calling thread for its next calls
 };
 
+// 2^t for finite t (the softmax's scores less their running max, so at most 0; larger t in
+// lanes the caller masks): t = n + f, |f| <= 0.5 (vreduceps), 2^f by a degree-4 polynomial
+// (rel. err 2.7e-6, far below P's bf16 rounding; exp16's is degree 6), 2^n by vscalefps.
+// 8 vector ops against exp16's 11 (no clamp, no separate multiply by log2 e).
+inline __m512 exp2_16(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(9.560510516166687e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.591703951358795e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024981260299683e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931219696998596e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999991655349731e-1f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // 16 vectors of 16 lanes each (u[i] lane n) to u[n] lane i.
-inline void transpose16(__m512* u) { transpose16(reinterpret_cast<__m512i*>(u)); }
+__attribute__((always_inline)) inline void transpose16(__m512* u) {
+  transpose16(reinterpret_cast<__m512i*>(u)); }
 
 // A step's key blocks, ready for both products (run_item_amx).
 struct Step {
@@ -470,6 +492,8 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
 
   // The step of keys kb0 .. into st, with buffers x.
   auto prepare = [&](int64_t kb0, Step& st, int x) {
+    if (false)  // (from the pool: the next step's rows into L2 while this one runs)
+      prefetch_rows<1>(kh, vh, srow, kb0 + SB * KB, std::min(kb0 + 2 * SB * KB, it.k1), D);
     st.kb0 = kb0;
     st.nsb = 0;
     int last = 0;
@@ -481,7 +505,7 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
       if (ids == nullptr) {
         const uint16_t* krow[KB];
         const uint16_t* vrow[KB];
-        block_rows(kh, vh, srow, kb, last, it.k1, D, krow, vrow);
+        row_ptrs(kh, vh, srow, kb, last, D, krow, vrow);
         st.kp[sb] = block_k(krow, last, D, kbuf[x][sb]);
         pair_rows(vrow, D, vp + sb * 8 * Z);
       } else {
@@ -526,8 +550,9 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
   const __m512i interleave = _mm512_set_epi16(
       31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
       19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(NEG_INF),
-               one = _mm512_set1_ps(1.f);
+  // Softmax in base 2: y = score * scale * log2(e), running max in those units, p = 2^(y - max)
+  const __m512 vscale = _mm512_set1_ps(scale * minisgl_vec::kLog2e),
+               ninf = _mm512_set1_ps(NEG_INF), one = _mm512_set1_ps(1.f);
   // The online softmax of row tile t over the step's scores, then O += P V.
   auto softmax_pv = [&](const Step& st, int64_t t, float (*scores)[16]) {
     const int64_t kb0 = st.kb0;
@@ -535,44 +560,53 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
     // Rows that see all 64 keys of the step (prefill and extend away from the diagonal, a
     // shared prefix's decode queries) need no masks.
     const bool full = nkeys == SB * KB && low_max[t] <= kb0 && lim_min[t] >= kb0 + SB * KB;
+    // (the loops are unrolled so that the chains and the 16 pair vectors stay in registers)
     __mmask16 seen[SB * KB];
-    __m512 vmax = ninf;
-    for (int j = 0; j < nkeys; ++j) {
-      __m512 x = _mm512_mul_ps(_mm512_load_ps(scores[j]), vscale);
-      if (!full) {
+    __m512 vmax[4] = {ninf, ninf, ninf, ninf};  // four chains: a max waits for the one before
+    if (full) {
+#pragma GCC unroll 64
+      for (int j = 0; j < SB * KB; ++j)  // (of the raw scores: scale > 0)
+        vmax[j % 4] = _mm512_max_ps(vmax[j % 4], _mm512_load_ps(scores[j]));
+    } else {
+#pragma GCC unroll 16
+      for (int j = 0; j < SB * KB; ++j) {
         const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(kb0 + j));
-        seen[j] = _mm512_cmple_epi32_mask(vlow[t], key) & _mm512_cmplt_epi32_mask(key, vlim[t]);
-        x = _mm512_mask_mov_ps(ninf, seen[j], x);
+        seen[j] = j < nkeys ? _mm512_cmple_epi32_mask(vlow[t], key) &
+                                  _mm512_cmplt_epi32_mask(key, vlim[t])
+                            : __mmask16(0);
+        vmax[j % 4] = _mm512_max_ps(vmax[j % 4],
+                                    _mm512_mask_load_ps(ninf, seen[j], scores[j]));
       }
-      vmax = _mm512_max_ps(vmax, x);
     }
-    const __m512 mnew = _mm512_max_ps(mv[t], vmax);
+    const __m512 mnew = _mm512_max_ps(
+        mv[t], _mm512_mul_ps(vscale, _mm512_max_ps(_mm512_max_ps(vmax[0], vmax[1]),
+                                                   _mm512_max_ps(vmax[2], vmax[3]))));
     // rows that have seen no key yet subtract 0, not -inf (their p are masked to 0)
     const __m512 mb = _mm512_mask_mov_ps(mnew, _mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ),
                                          _mm512_setzero_ps());
-    const __m512 corr = exp16(_mm512_sub_ps(mv[t], mb));
-    __m512 sum = _mm512_setzero_ps();
-    __m512 u[16];
-    for (int j = 0; j < npair * 2 * KB; j += 2) {
-      __m512 p[2];
-      for (int e = 0; e < 2; ++e) {
-        if (j + e >= nkeys) {
-          p[e] = _mm512_setzero_ps();
-          continue;
+    const __m512 corr = exp2_16(_mm512_max_ps(_mm512_sub_ps(mv[t], mb), _mm512_set1_ps(-200.f)));
+    __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+    for (int h = 0; h < npair; ++h) {  // 32 keys: p in pairs, then row n's 16 pairs to pa[n]
+      __m512 u[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        __m512 p[2];
+        for (int e = 0; e < 2; ++e) {
+          const int j = 32 * h + 2 * i + e;
+          const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(scores[j]), vscale, mb);
+          p[e] = full ? exp2_16(x) : _mm512_maskz_mov_ps(seen[j], exp2_16(x));
+          sum[(2 * i + e) % 4] = _mm512_add_ps(sum[(2 * i + e) % 4], p[e]);
         }
-        const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(scores[j + e]), vscale, mb);
-        p[e] = full ? exp16(x) : _mm512_maskz_mov_ps(seen[j + e], exp16(x));
-        sum = _mm512_add_ps(sum, p[e]);
+        u[i] = _mm512_castsi512_ps(_mm512_permutexvar_epi16(
+            interleave, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0])));
       }
-      u[(j / 2) % 16] = _mm512_castsi512_ps(_mm512_permutexvar_epi16(
-          interleave, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0])));
-      if ((j / 2) % 16 == 15) {  // 32 keys: row n's 16 pairs to pa[n]
-        transpose16(u);
-        for (int n = 0; n < 16; ++n)
-          _mm512_store_ps(reinterpret_cast<float*>(pa[n] + (j / 32) * 32), u[n]);
-      }
+      transpose16(u);
+      for (int n = 0; n < 16; ++n)
+        _mm512_store_ps(reinterpret_cast<float*>(pa[n] + 32 * h), u[n]);
     }
-    lv[t] = _mm512_fmadd_ps(lv[t], corr, sum);
+    lv[t] = _mm512_fmadd_ps(lv[t], corr, _mm512_add_ps(_mm512_add_ps(sum[0], sum[1]),
+                                                      _mm512_add_ps(sum[2], sum[3])));
     mv[t] = mnew;
     if (const __mmask16 changed = _mm512_cmp_ps_mask(corr, one, _CMP_NEQ_UQ)) {
       alignas(64) float cf[16];
@@ -649,8 +683,8 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
     alignas(64) float mf[16], lf[16];
     _mm512_store_ps(mf, mv[tt]);
     _mm512_store_ps(lf, lv[tt]);
-    for (int64_t n = 0; n < 16 && 16 * tt + n < R; ++n)
-      m[16 * tt + n] = mf[n], l[16 * tt + n] = lf[n];
+    for (int64_t n = 0; n < 16 && 16 * tt + n < R; ++n)  // (the max in natural units again)
+      m[16 * tt + n] = mf[n] * std::numbers::ln2_v<float>, l[16 * tt + n] = lf[n];
   }
 }
 
@@ -1134,6 +1168,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(q.size(1) % k.size(0) == 0 && q.size(1) / k.size(0) <= 8,
               "query heads must be 1-8 times the kv heads");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window), got ", window);
+  TORCH_CHECK(scale > 0, "scale must be > 0, got ", scale);
   for (const at::Tensor* t : {&slots, &kv_lens, &q_start, &q_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "index tensors: contiguous int64");
   const int64_t B = slots.size(0);
