@@ -1187,6 +1187,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     for (int64_t b = 0; b < B; ++b) order[b] = b;
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t a, int64_t b) { return sp[a * Lk] < sp[b * Lk]; });
+    struct Group { int64_t i, j, common; };  // order[i .. j) share their first `common` slots
+    std::vector<Group> groups;
+    int64_t whole = 0;  // shared items with each group's keys in one piece
     for (int64_t i = 0, j; i < B; i = j) {
       const int64_t* first = sp + order[i] * Lk;
       int64_t common = kl[order[i]];
@@ -1197,14 +1200,24 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       }
       common = common / KB * KB;
       if (j - i < 2 || common < 2 * KB) continue;
-      for (int64_t g0 = i; g0 < j; g0 += QB) {
-        const int64_t m0 = static_cast<int64_t>(members.size()), mn = std::min<int64_t>(QB, j - g0);
+      groups.push_back({i, j, common});
+      whole += (j - i + QB - 1) / QB * KVH;
+    }
+    // Split the shared keys only as far as the threads need (4 items each): every piece is one
+    // more part per member to merge, and one more pass over its queries' setup.
+    const int64_t pieces = std::max<int64_t>(1, (4 * threads + whole - 1) / std::max<int64_t>(1, whole));
+    for (const Group& gr : groups) {
+      const int64_t chunk = std::max<int64_t>(
+          16 * KB, ((gr.common + pieces - 1) / pieces + 4 * KB - 1) / (4 * KB) * (4 * KB));
+      for (int64_t g0 = gr.i; g0 < gr.j; g0 += QB) {
+        const int64_t m0 = static_cast<int64_t>(members.size());
+        const int64_t mn = std::min<int64_t>(QB, gr.j - g0);
         members.insert(members.end(), order.begin() + g0, order.begin() + g0 + mn);
         for (int64_t h = 0; h < KVH; ++h)
-          for (int64_t k0 = 0; k0 < common; k0 += 16 * KB, parts += mn)
-            items.push_back({order[g0], h, 0, mn, k0, std::min(common, k0 + 16 * KB), parts, m0, mn});
+          for (int64_t k0 = 0; k0 < gr.common; k0 += chunk, parts += mn)
+            items.push_back({order[g0], h, 0, mn, k0, std::min(gr.common, k0 + chunk), parts, m0, mn});
       }
-      for (int64_t t = i; t < j; ++t) shared[order[t]] = common;
+      for (int64_t t = gr.i; t < gr.j; ++t) shared[order[t]] = gr.common;
     }
   }
   for (int64_t b = 0; b < B; ++b) {
