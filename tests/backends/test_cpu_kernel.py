@@ -256,6 +256,55 @@ def test_extend_over_shared_prefixes_matches_float64(kv_heads: int, group: int,
     assert (out.double() - ref).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("phase", ["prefill", "extend", "decode"])
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (1, 8, 32), (2, 2, 128)])
+def test_slots_in_page_runs_match_float64(phase: str, kv_heads: int, group: int,
+                                          head_dim: int) -> None:
+    """Slots as the engine's pool hands them out: pages of 16 consecutive slots, scattered. On
+    AMX tiles a block of 16 keys that is such a run is read from the pool as it lies (the
+    other blocks are copied first): runs that begin on a page and ones that do not (a request
+    whose row starts mid-page), blocks that are half a run, and, in decode, groups sharing a
+    cached prefix of whole pages and one of 40 slots (a block of a run shared, the next
+    not)."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    gen = torch.Generator().manual_seed(5)
+    pool_pages = 512
+    pages = (torch.randperm(pool_pages - 1, generator=gen) + 1).tolist()
+
+    def run_of(n: int, offset: int = 0) -> torch.Tensor:  # n slots on fresh pages
+        count = (n + offset + 15) // 16
+        taken = [pages.pop() for _ in range(count)]
+        return torch.cat([torch.arange(16 * p, 16 * p + 16) for p in taken])[offset:offset + n]
+
+    if phase == "decode":
+        shared = [run_of(128), run_of(40)]
+        rows, kv_lens = [], []
+        for g, prefix in enumerate(shared):
+            for own in (1, 17, 50, 64):
+                rows.append(torch.cat([prefix, run_of(own + 3, offset=g * 5)]))
+                kv_lens.append(len(prefix) + own)
+        q_lens = [1] * len(rows)
+    elif phase == "prefill":
+        q_lens = kv_lens = [100, 64, 33]
+        rows = [run_of(n + 5, offset=o) for n, o in zip(kv_lens, (0, 3, 0))]
+    else:  # a shared 64-slot prefix and one of 24 (half a page run shared), then new tokens
+        prefixes = [run_of(64), run_of(24)]
+        lens = [(0, 64, 40), (0, 64, 16), (1, 24, 30), (1, 24, 70)]
+        rows = [torch.cat([prefixes[p], run_of(n + 2)]) for p, _, n in lens]
+        q_lens = [n for *_, n in lens]
+        kv_lens = [c + n for _, c, n in lens]
+    lk = max(len(r) for r in rows)
+    slots = torch.stack([torch.cat([r, torch.zeros(lk - len(r), dtype=torch.int64)])
+                         for r in rows])
+    k = torch.randn(kv_heads, 16 * pool_pages, head_dim, generator=gen).bfloat16()
+    v = torch.randn(kv_heads, 16 * pool_pages, head_dim, generator=gen).bfloat16()
+    q = (2 * torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen)).bfloat16()
+    scale = 1 / math.sqrt(head_dim)
+    out = _attend(q, k, v, slots, kv_lens, q_lens, scale)
+    ref = reference(q, k, v, slots, kv_lens, q_lens, scale)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(("phase", "prefix_lens", "new_lens"), [
     ("prefill", [0, 0, 0], [1, 17, 40]),
@@ -294,6 +343,9 @@ def test_bad_inputs_are_refused() -> None:
         cpu_kernels.paged_attention(q, k, v, slots.int(), lens, starts, one, 1.0)
     with pytest.raises(RuntimeError, match="window must be >= 0"):
         cpu_kernels.paged_attention(q, k, v, slots, lens, starts, one, 1.0, -1)
+    for scale in (0.0, -0.125):
+        with pytest.raises(RuntimeError, match="scale must be > 0"):
+            cpu_kernels.paged_attention(q, k, v, slots, lens, starts, one, scale)
 
 
 def _int8_x_reference(x: torch.Tensor) -> torch.Tensor:
