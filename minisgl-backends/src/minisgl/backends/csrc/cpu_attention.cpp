@@ -427,6 +427,16 @@ struct Step {
   const __m512i* vp[SB / 2];  // each pair of blocks' 16 key pairs (16-row tiles)
 };
 
+// run_item_amx's buffers, per thread.
+struct AmxScratch {
+  alignas(64) __m512i qt[QB * 8 / 16][MAXD / 32][16];  // Q^T per row tile
+  alignas(64) uint16_t kbuf[SB][KB * MAXD];          // K of blocks not in a run of slots
+  alignas(64) __m512i vbuf[SB * KB / 2 * MAXD / 16];  // V pairs, block sb at sb * 8 D / 16
+  alignas(64) float sc[SB * KB][16];                 // scores: a key per row, a lane per row
+  alignas(64) uint16_t pa[16][SB * KB];              // P of 16 rows, bf16, a row each
+  std::vector<int64_t> qoff, lim, low;
+};
+
 void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
                   const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
                   int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
@@ -434,12 +444,17 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
                   float* m, float* l, const Blocks* blocks) {
   constexpr int MT = QB * 8 / 16;  // row tiles at most
   const int64_t R = it.nq * G, NT = (R + 15) / 16, Z = D / 16, C = D / 32;
-  alignas(64) static thread_local __m512i qt[MT][MAXD / 32][16];  // Q^T per row tile
-  alignas(64) static thread_local uint16_t kbuf[SB][KB * MAXD];  // K of blocks not in a run
-  alignas(64) static thread_local __m512i vbuf[SB * KB / 2 * MAXD / 16];  // block sb at sb * 8 Z
-  alignas(64) static thread_local float sc[SB * KB][16];  // scores: a key per row, a lane per row
-  alignas(64) static thread_local uint16_t pa[16][SB * KB];  // P of 16 rows, bf16, a row each
-  static thread_local std::vector<int64_t> qoff, lim, low;
+  // (one thread_local, named once: in a shared library each use of one is a call)
+  static thread_local AmxScratch scratch;
+  AmxScratch& w = scratch;
+  auto& qt = w.qt;
+  auto& kbuf = w.kbuf;
+  auto& vbuf = w.vbuf;
+  auto& sc = w.sc;
+  auto& pa = w.pa;
+  auto& qoff = w.qoff;
+  auto& lim = w.lim;
+  auto& low = w.low;
   qoff.resize(R);
   lim.resize(R);
   low.resize(R);
