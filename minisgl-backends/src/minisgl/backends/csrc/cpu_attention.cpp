@@ -16,13 +16,16 @@
 // float32), and P (rounded to bf16) times V uses vdpbf16ps over pairs of keys. Decode batches
 // with fewer items than threads split each request's keys (split-K) and merge the parts.
 // Decode requests whose slot rows begin with the same slots (a prefix the radix cache shares)
-// form groups: one item runs the shared keys for the queries of up to 16 of them, each request
-// runs its own keys after, and the parts merge as in split-K (not with a window: every request
-// sees keys of its own range). The AVX2 build (no bf16 dot product) runs the same items and
-// blocks in float32: K widened once per block, P not rounded (see run_item there), except
-// that an item of one decode query runs two passes over its keys instead (run_decode). Where
-// AMX tiles run (cpu_linear.cpp), items of 16 rows or more multiply on them (run_item_amx),
-// and a prefill or extend batch loads each distinct key block once for all its items (Blocks).
+// form groups: items run the shared keys for the queries of up to 16 of them (split into pieces
+// only as far as the threads need), each request runs its own keys after, and the parts merge
+// as in split-K (not with a window: every request sees keys of its own range). Threads claim
+// runs of consecutive items of about equal work. The AVX2 build (no bf16 dot product) runs
+// the same items and blocks in float32: K widened once per block, P not rounded (see run_item
+// there), except that an item of one decode query runs two passes over its keys instead
+// (run_decode). Where AMX tiles run (cpu_linear.cpp), items of 16 rows or more multiply on
+// them (run_item_amx), with the scores transposed (S^T = K Q^T: key blocks are tile rows as
+// they lie in the pool's pages, the softmax runs lane-wise), and a prefill or extend batch
+// builds each distinct key block's V pairs once for all its items (Blocks).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
