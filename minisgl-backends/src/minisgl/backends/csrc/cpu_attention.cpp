@@ -404,9 +404,9 @@ struct Blocks {
 };
 
 // 2^t for finite t (the softmax's scores less their running max, so at most 0; larger t in
-// lanes the caller masks): t = n + f, |f| <= 0.5 (vreduceps), 2^f by a degree-4 polynomial
+// lanes the caller masks): t = n + f, n = round(t), |f| <= 0.5, 2^f by a degree-4 polynomial
 // (rel. err 2.7e-6, far below P's bf16 rounding; exp16's is degree 6), 2^n by vscalefps.
-// 8 vector ops against exp16's 11 (no clamp, no separate multiply by log2 e).
+// 7 vector ops against exp16's 11 (no clamp; the caller folds log2 e into its FMA).
 inline __m512 exp2_16(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
@@ -420,7 +420,8 @@ inline __m512 exp2_16(__m512 t) {
 
 // 16 vectors of 16 lanes each (u[i] lane n) to u[n] lane i.
 __attribute__((always_inline)) inline void transpose16(__m512* u) {
-  transpose16(reinterpret_cast<__m512i*>(u)); }
+  transpose16(reinterpret_cast<__m512i*>(u));
+}
 
 // A step's key blocks, ready for both products (run_item_amx).
 struct Step {
@@ -430,9 +431,11 @@ struct Step {
   const __m512i* vp[SB / 2];  // each pair of blocks' 16 key pairs (16-row tiles)
 };
 
+constexpr int MT = QB * 8 / 16;  // row tiles of an item at most (16 queries x up to 8 heads)
+
 // run_item_amx's buffers, per thread.
 struct AmxScratch {
-  alignas(64) __m512i qt[QB * 8 / 16][MAXD / 32][16];  // Q^T per row tile
+  alignas(64) __m512i qt[MT][MAXD / 32][16];         // Q^T per row tile
   alignas(64) uint16_t kbuf[SB][KB * MAXD];          // K of blocks not in a run of slots
   alignas(64) __m512i vbuf[SB * KB / 2 * MAXD / 16];  // V pairs, block sb at sb * 8 D / 16
   alignas(64) float sc[SB * KB][16];                 // scores: a key per row, a lane per row
@@ -445,7 +448,6 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
                   int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
                   int64_t S, int64_t G, int64_t D, float scale, int64_t window, float* O,
                   float* m, float* l, const Blocks* blocks) {
-  constexpr int MT = QB * 8 / 16;  // row tiles at most
   const int64_t R = it.nq * G, NT = (R + 15) / 16, Z = D / 16, C = D / 32;
   // (one thread_local, named once: in a shared library each use of one is a call)
   static thread_local AmxScratch scratch;
@@ -1223,7 +1225,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     }
     // Split the shared keys only as far as the threads need (4 items each): every piece is one
     // more part per member to merge, and one more pass over its queries' setup.
-    const int64_t pieces = std::max<int64_t>(1, (4 * threads + whole - 1) / std::max<int64_t>(1, whole));
+    const int64_t pieces =
+        std::max<int64_t>(1, (4 * threads + whole - 1) / std::max<int64_t>(1, whole));
     for (const Group& gr : groups) {
       const int64_t chunk = std::max<int64_t>(
           16 * KB, ((gr.common + pieces - 1) / pieces + 4 * KB - 1) / (4 * KB) * (4 * KB));
@@ -1327,14 +1330,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
           lb = mb + G;
           Ob = lb + G;
         }
-  #if MINISGL_ATTN_AMX
+#if MINISGL_ATTN_AMX
         // (O is the thread's [QB * G, D] buffer, room for the rows rounded up to 16, unless the
         // item is one request's split-K part; a shared-prefix item's parts are copied out after)
         if (it.nq * G >= 16 && (it.part < 0 || it.mn > 0) && minisgl::amx_usable())
           run_item_amx(it, qp, kp, vp, sp, Lk, prefix, qs[it.b], members.data(), qs, H, S, G, D,
                        fscale, window, Ob, mb, lb, bp);
         else
-  #endif
+#endif
           run_item(it, qp, kp, vp, sp, Lk, prefix, qs[it.b], members.data(), qs, H, S, G, D,
                    fscale, window, Ob, mb, lb);
         for (int64_t j = 0; j < it.mn; ++j) {  // a shared item's rows to its members' parts
