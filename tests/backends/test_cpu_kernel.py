@@ -89,6 +89,7 @@ CASES = {
     "decode-chunks": [(1, 1300), (1, 1030), (1, 600), (1, 513), (1, 1300), (1, 3), (1, 1024),
                       (1, 2)],
     "prefill": [(5, 5), (40, 40), (17, 17)],
+    "prefill-short": [(5, 5), (3, 9)],  # with 1-3 heads per kv head, none of 16 rows or more
     "extend": [(64, 300), (3, 70), (1, 33)],  # queries after a cached prefix
     "mixed": [(33, 100), (1, 64), (16, 16)],
 }
@@ -302,6 +303,51 @@ def test_slots_in_page_runs_match_float64(phase: str, kv_heads: int, group: int,
     scale = 1 / math.sqrt(head_dim)
     out = _attend(q, k, v, slots, kv_lens, q_lens, scale)
     ref = reference(q, k, v, slots, kv_lens, q_lens, scale)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("phase", ["prefill", "extend", "decode"])
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (1, 8, 32), (2, 2, 128)])
+def test_scores_growing_along_the_keys_match_float64(phase: str, kv_heads: int, group: int,
+                                                     head_dim: int) -> None:
+    """Keys that grow along each request (x0.2 at its first position to x20 at the 320th), so
+    that a row's running max passes the one before by many times e again and again, step after
+    step: on AMX tiles a row's reference max moves (and its sum and O are rescaled) only when a
+    score passes it by more than 2^8, which these rows do at many steps, their other scores
+    being far below; rows past a request's prefix start from nothing."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    gen = torch.Generator().manual_seed(11)
+    if phase == "decode":  # two groups of 8 sharing 320 and 96 keys, then a few of their own
+        kv_lens = [320 + 5 + i for i in range(8)] + [96 + 40 + 3 * i for i in range(8)]
+        q_lens = [1] * 16
+    elif phase == "prefill":
+        q_lens = kv_lens = [320, 70, 16]
+    else:  # 64 and 33 new tokens after a shared 256-key prefix, 40 after a private 200
+        q_lens, kv_lens = [64, 33, 40], [320, 289, 240]
+    pool = 4096
+    lk = max(kv_lens)
+    slots = torch.zeros(len(kv_lens), lk, dtype=torch.int64)
+    pos_of = torch.zeros(pool, dtype=torch.float64)  # a slot's position in its request
+    free = (torch.randperm(pool // 16 - 1, generator=gen) + 1).tolist()
+    shared = {"decode": {i: (0, 320) for i in range(8)} | {i: (1, 96) for i in range(8, 16)},
+              "extend": {0: (0, 256), 1: (0, 256)}}.get(phase, {})
+    prefixes: dict[int, torch.Tensor] = {}
+    for b, n in enumerate(kv_lens):
+        pages = [free.pop() for _ in range((n + 15) // 16)]
+        row = torch.cat([torch.arange(16 * p, 16 * p + 16) for p in pages])[:n]
+        if b in shared:
+            g, c = shared[b]
+            row[:c] = prefixes.setdefault(g, row[:c].clone())
+        slots[b, :n] = row
+        pos_of[row] = torch.arange(n, dtype=torch.float64)
+    k = torch.randn(kv_heads, pool, head_dim, generator=gen)
+    k = (k * (0.2 + pos_of / 16)[None, :, None]).bfloat16()
+    v = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
+    q = torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen).bfloat16()
+    scale = 1 / math.sqrt(head_dim)
+    out = _attend(q, k, v, slots, kv_lens, q_lens, scale)
+    ref = reference(q, k, v, slots, kv_lens, q_lens, scale)
+    assert torch.isfinite(out).all()
     assert (out.double() - ref).abs().max().item() < 2e-2
 
 

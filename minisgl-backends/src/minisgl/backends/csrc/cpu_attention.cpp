@@ -23,9 +23,10 @@
 // the same items and blocks in float32: K widened once per block, P not rounded (see run_item
 // there), except that an item of one decode query runs two passes over its keys instead
 // (run_decode). Where AMX tiles run (cpu_linear.cpp), items of 16 rows or more multiply on
-// them (run_item_amx), with the scores transposed (S^T = K Q^T: key blocks are tile rows as
-// they lie in the pool's pages, the softmax runs lane-wise), and a prefill or extend batch
-// builds each distinct key block's V pairs once for all its items (Blocks).
+// them (run_item_amx), with both products transposed (S^T = K Q^T: key blocks are tile rows
+// as they lie in the pool's pages, the softmax runs lane-wise; O^T = V^T P^T, P^T as the
+// softmax makes it), and a prefill or extend batch builds each distinct key block's V^T once
+// for all its items (Blocks).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -341,30 +342,34 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
 
 #if MINISGL_ATTN_AMX
 // Items of 16 rows or more (prefill, extend, a shared prefix's decode queries) on AMX tiles,
-// 16 rows at a time and 4 key blocks (64 keys) per softmax step. Every tile is 16 rows of 64
-// bytes. The scores come transposed, S^T = K Q^T: a block's 16 keys are a tile's rows as they
-// lie in the pool (a page holds 16 consecutive slots; a block whose slots are not consecutive
-// is copied into 16 rows first), and the item's queries, transposed once per item into bf16
-// pairs (qt), are the other operand. So a tile of scores is 16 vectors, one per key, with a
-// lane per row, and the online softmax runs lane-wise: 16 rows' running max, sum and rescale
-// factor are one vector each, with no horizontal reductions and no per-row exp, and no key
-// block is transposed. P, rounded to bf16 in key pairs, goes back to a row per query (one
-// 16 x 16 transpose of 32-bit pairs per 32 keys and 16 rows) for O += P V, 32 keys per
-// tdpbf16ps (P of two blocks against their 16 key pairs, vp laid out so that two neighbouring
-// blocks' 8 pairs each are one 16-row tile), into up to 4 accumulator tiles of 16 dims each, so
-// consecutive products do not wait for each other. O and the running max and sum as
-// run_item's; O needs room for R rounded up to 16 rows.
+// 16 rows (a row tile) at a time and 4 key blocks (64 keys) per softmax step. Every tile is 16
+// rows of 64 bytes. Both products come transposed, so that the softmax runs lane-wise, a lane
+// per row, with no horizontal reductions, no per-row exp and no transpose of P:
+// - S^T = K Q^T: a block's 16 keys are a tile's rows as they lie in the pool (a page holds 16
+//   consecutive slots; a block whose slots are not consecutive is copied into 16 rows first),
+//   against the item's queries transposed once per item into bf16 pairs (qt);
+// - O^T += V^T P^T: P^T in key pairs is what the softmax makes, a vector per pair of keys (16
+//   rows' pairs as 32-bit lanes); V^T (D rows of 32 keys per pair of blocks) is built once per
+//   distinct block for a prefill or extend batch (Blocks), else once per item.
+// The 16 rows' running max, sum and rescale factor are one vector each. A row tile runs all
+// its steps before the next: for D = 64 its O^T stays in 4 accumulator tiles (else it goes
+// through memory, 64 dims per pass), and a row's reference max is lazy: it moves only when a
+// score passes it by more than 2^kLazy (so P <= 256, far within bf16's range), and only then is
+// O rescaled (out of the tiles and back), a few times per row tile instead of at most every
+// step. O^T goes back to rows at the end (in pair_rows' order of dims, as run_item's O); O needs
+// room for R rounded up to 16 rows. m is the reference max, l and O are in its terms.
 constexpr int SB = 4;  // key blocks per step (even: P V takes them two by two)
-constexpr int ZT = 4;  // O's tiles in flight: 16 dims each, D / 16 of them in D / 64 passes
+constexpr int ZT = 4;  // O^T's accumulator tiles: 16 dims each, D / 16 of them in D / 64 passes
+constexpr float kLazy = 8.f;  // how far (log2 units) a row's max may pass its reference
 
-// Tiles 0-3: scores of 4 blocks, then O; 4, 5: queries (then P and V); 6, 7: K.
+// Tiles 0-3: O^T; 4, 5: scores of two blocks, then P^T (4); 6: Q^T; 7: K; 6, 7: V^T.
 inline void attn_tiles_begin() {
   minisgl::TileConfig c;
   for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
   _tile_loadconfig(&c);
 }
 
-// Runs X(n) for tile n = t of the 4 score/O tiles (the tile intrinsics take literal numbers).
+// Runs X(n) for tile n = t of the 4 O^T tiles (the tile intrinsics take literal numbers).
 #define MINISGL_TILE4(t, X) \
   switch (t) {             \
     case 0: X(0); break;   \
@@ -388,19 +393,42 @@ inline const uint16_t* block_k(const uint16_t* const* krow, int nk, int64_t D, u
   return buf;
 }
 
+// V^T from np key pairs (pair_rows' layout: D / 16 vectors per pair; np = 8 for one block, 16
+// for two): row d of out (ld elements apart) holds dim d (pair order) of the 2 np keys, 32-bit
+// pair by pair; `bytes` (32 or 64) of each row are stored, zeros past the pairs.
+inline void vt_rows(const __m512i* vp, int np, int64_t D, uint16_t* out, int64_t ld,
+                    int bytes) {
+  const int64_t Z = D / 16;
+  for (int64_t z = 0; z < Z; ++z) {
+    __m512i u[16];
+    for (int jp = 0; jp < 16; ++jp) u[jp] = jp < np ? vp[jp * Z + z] : _mm512_setzero_si512();
+    transpose16(u);
+    for (int d = 0; d < 16; ++d) {
+      uint16_t* row = out + (16 * z + d) * ld;
+      if (bytes == 64)
+        _mm512_storeu_si512(row, u[d]);
+      else
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), _mm512_castsi512_si256(u[d]));
+    }
+  }
+}
+
 // The key blocks of a prefill or extend batch loaded once for all its items, not once per item:
 // in a 1024-token prefill each block is seen by 32 query blocks on average, and requests that
 // share a cached prefix (the same slots) share its blocks. Block j of request b (keys 16 j ..)
 // is unique block id[b * nb + j]; for unique block u and kv head h, krow[h * n + u] is its 16 K
-// rows (block_k) and vp + (h * n + u) * 8 D / 16 its key pairs; a request's own blocks are
-// consecutive, so that two neighbours' key pairs are one 16-row tile of vp. Items of such
-// batches start at key 0 (no window, no split-K), so the blocks of an item's steps are blocks of
-// its request.
+// rows (block_k), and vt + (h n + u) D 32 the V^T of u and u + 1 side by side (D rows of 64
+// bytes: u's 16 keys, then u + 1's; zeros for u + 1 = n), so that two neighbouring blocks are
+// one tile per 16 dims, contiguous (each block's V^T is written twice: in a layout with a row
+// of all blocks per dim, 2 KB apart, prefill and extend ran ~5% slower: tiles of rows 2 KB
+// apart, which the hardware's prefetch does not follow). A request's own blocks are consecutive. Items of such batches start
+// at key 0 (no window, no split-K), so the blocks of an item's steps are blocks of its
+// request.
 struct Blocks {
   int64_t nb = 0, n = 0;  // blocks per request (row of id), unique blocks
   std::vector<int32_t> id;
   std::vector<const uint16_t*> krow;
-  const __m512i* vp = nullptr;  // in memory kept by the calling thread for its next calls
+  const uint16_t* vt = nullptr;  // in memory kept by the calling thread for its next calls
 };
 
 // 2^t for finite t (the softmax's scores less their running max, so at most 0; larger t in
@@ -425,22 +453,23 @@ __attribute__((always_inline)) inline void transpose16(__m512* u) {
 
 // A step's key blocks, ready for both products (run_item_amx).
 struct Step {
-  int64_t kb0 = 0;        // first key
-  int nsb = 0, nkeys = 0;  // blocks, keys
-  const uint16_t* kp[SB];  // each block's 16 K rows
-  const __m512i* vp[SB / 2];  // each pair of blocks' 16 key pairs (16-row tiles)
+  int64_t kb0 = 0;             // first key
+  int nsb = 0, nkeys = 0;      // blocks, keys
+  const uint16_t* kp[SB];      // each block's 16 K rows (D apart)
+  const uint16_t* vt[SB / 2];  // each pair of blocks' V^T: D rows of 32 keys (64 bytes)
 };
 
 constexpr int MT = QB * 8 / 16;  // row tiles of an item at most (16 queries x up to 8 heads)
 
 // run_item_amx's buffers, per thread.
 struct AmxScratch {
-  alignas(64) __m512i qt[MT][MAXD / 32][16];         // Q^T per row tile
-  alignas(64) uint16_t kbuf[SB][KB * MAXD];          // K of blocks not in a run of slots
-  alignas(64) __m512i vbuf[SB * KB / 2 * MAXD / 16];  // V pairs, block sb at sb * 8 D / 16
-  alignas(64) float sc[SB * KB][16];                 // scores: a key per row, a lane per row
-  alignas(64) uint16_t pa[16][SB * KB];              // P of 16 rows, bf16, a row each
+  alignas(64) __m512i qt[MT][MAXD / 32][16];  // Q^T per row tile
+  alignas(64) float sc[SB * KB][16];          // scores: a key per row, a lane per row
+  alignas(64) __m512i pt[SB / 2][16];         // P^T: 16 key pairs x 16 rows per 32 keys
+  alignas(64) float ot[MAXD][16];             // a row tile's O^T in memory
   std::vector<int64_t> qoff, lim, low;
+  std::vector<Step> steps;
+  std::vector<uint16_t> kcopy, vcopy;  // K of blocks not in a run of slots; V^T built per item
 };
 
 void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
@@ -453,10 +482,9 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
   static thread_local AmxScratch scratch;
   AmxScratch& w = scratch;
   auto& qt = w.qt;
-  auto& kbuf = w.kbuf;
-  auto& vbuf = w.vbuf;
   auto& sc = w.sc;
-  auto& pa = w.pa;
+  auto& pt = w.pt;
+  auto& ot = w.ot;
   auto& qoff = w.qoff;
   auto& lim = w.lim;
   auto& low = w.low;
@@ -467,10 +495,9 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
             low.data(), m, l);
   // Per row tile: Q^T (qt[t][c] row p lane n: dims 32 c + 2p, +1 of row 16 t + n), the rows'
   // key ranges as lanes (rows past R see everything: zero queries, never written out), and
-  // their bounds; the running max and sum.
+  // their bounds.
   __m512i vlow[MT], vlim[MT];
   int64_t low_max[MT], low_min[MT], lim_max[MT], lim_min[MT];
-  __m512 mv[MT], lv[MT];
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t t = 0; t < NT; ++t) {
     alignas(64) int32_t lo[16], li[16];
@@ -496,195 +523,206 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
     }
     vlow[t] = _mm512_load_si512(lo);
     vlim[t] = _mm512_load_si512(li);
-    mv[t] = _mm512_set1_ps(NEG_INF);
-    lv[t] = _mm512_setzero_ps();
   }
-  std::fill(O, O + NT * 16 * D, 0.f);
   const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * D;
   const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * D;
   const int64_t* srow = slots + it.b * Lk;
   const int32_t* ids = blocks && blocks->id[it.b * blocks->nb] >= 0
                            ? blocks->id.data() + it.b * blocks->nb
                            : nullptr;
-  const int64_t base = blocks ? it.h * blocks->n : 0;
 
-  // The step of keys kb0 .. into st.
-  auto prepare = [&](int64_t kb0, Step& st) {
-    st.kb0 = kb0;
-    st.nsb = 0;
-    int last = 0;
-    __m512i* vp = vbuf;
-    for (; st.nsb < SB && kb0 + st.nsb * KB < it.k1; ++st.nsb) {
-      const int sb = st.nsb;
-      const int64_t kb = kb0 + sb * KB;
-      last = static_cast<int>(std::min<int64_t>(KB, it.k1 - kb));
+  // The item's steps of 64 keys: each block's K rows, each pair of blocks' V^T (Blocks', or
+  // built here; copied where a pair's blocks are not neighbours there).
+  const int64_t nsteps = (it.k1 - it.k0 + SB * KB - 1) / (SB * KB);
+  w.steps.resize(nsteps);
+  w.vcopy.resize(nsteps * (SB / 2) * D * 32);
+  if (ids == nullptr) w.kcopy.resize(nsteps * SB * KB * D);
+  for (int64_t s = 0; s < nsteps; ++s) {
+    Step& st = w.steps[s];
+    st.kb0 = it.k0 + s * SB * KB;
+    st.nkeys = static_cast<int>(std::min<int64_t>(SB * KB, it.k1 - st.kb0));
+    st.nsb = (st.nkeys + KB - 1) / KB;
+    for (int pp = 0; pp < (st.nsb + 1) / 2; ++pp) {
+      uint16_t* vbuf = w.vcopy.data() + (s * (SB / 2) + pp) * D * 32;
+      const bool two = 2 * pp + 1 < st.nsb;
+      st.vt[pp] = vbuf;
       if (ids == nullptr) {
-        const uint16_t* krow[KB];
-        const uint16_t* vrow[KB];
-        row_ptrs(kh, vh, srow, kb, last, D, krow, vrow);
-        st.kp[sb] = block_k(krow, last, D, kbuf[sb]);
-        pair_rows(vrow, D, vp + sb * 8 * Z);
-      } else {
-        st.kp[sb] = blocks->krow[base + ids[kb / KB]];
+        alignas(64) __m512i vp[KB * MAXD / 16];  // the pair's key pairs
+        for (int e = 0; e < (two ? 2 : 1); ++e) {
+          const int sb = 2 * pp + e;
+          const int64_t kb = st.kb0 + sb * KB;
+          const int nk = static_cast<int>(std::min<int64_t>(KB, it.k1 - kb));
+          const uint16_t* krow[KB];
+          const uint16_t* vrow[KB];
+          block_rows(kh, vh, srow, kb, nk, it.k1, D, krow, vrow);
+          st.kp[sb] = block_k(krow, nk, D, w.kcopy.data() + (s * SB + sb) * KB * D);
+          pair_rows(vrow, D, vp + e * 8 * Z);
+        }
+        vt_rows(vp, two ? 16 : 8, D, vbuf, 32, 64);
+        continue;
       }
-    }
-    st.nkeys = (st.nsb - 1) * KB + last;
-    for (int pp = 0; pp < (st.nsb + 1) / 2; ++pp) {  // P V steps of 32 keys
-      st.vp[pp] = vp + pp * 16 * Z;
-      if (ids == nullptr) continue;
-      const int64_t j = kb0 / KB + 2 * pp;
-      const __m512i* a = blocks->vp + (base + ids[j]) * 8 * Z;
-      if (2 * pp + 1 == st.nsb || ids[j + 1] == ids[j] + 1) {  // (past an odd last block:
-        st.vp[pp] = a;                                 // finite data or the zero block, P is 0)
+      const int64_t j = st.kb0 / KB + 2 * pp;
+      auto vt_of = [&](int32_t u) { return blocks->vt + (it.h * blocks->n + u) * D * 32; };
+      st.kp[2 * pp] = blocks->krow[it.h * blocks->n + ids[j]];
+      if (two) st.kp[2 * pp + 1] = blocks->krow[it.h * blocks->n + ids[j + 1]];
+      if (!two || ids[j + 1] == ids[j] + 1) {  // (past an odd last block: the next unique
+        st.vt[pp] = vt_of(ids[j]);             // block's finite data or zeros; P is 0 there)
       } else {  // a shared prefix's last block and the request's first: not neighbours
-        const __m512i* b = blocks->vp + (base + ids[j + 1]) * 8 * Z;
-        std::copy(a, a + 8 * Z, vp + pp * 16 * Z);
-        std::copy(b, b + 8 * Z, vp + pp * 16 * Z + 8 * Z);
+        const uint16_t* a = vt_of(ids[j]);
+        const uint16_t* b = vt_of(ids[j + 1]);
+        for (int64_t d = 0; d < D; ++d) {
+          std::memcpy(vbuf + d * 32, a + d * 32, 32);
+          std::memcpy(vbuf + d * 32 + 16, b + d * 32, 32);
+        }
       }
     }
-  };
-  // S^T of row tile t and the step's keys into sc (a key per row).
-  auto scores_of = [&](const Step& st, int64_t t) {
-#define MINISGL_ZERO(n) _tile_zero(n)
-    for (int sb = 0; sb < st.nsb; ++sb) MINISGL_TILE4(sb, MINISGL_ZERO)
-    for (int64_t c = 0; c < C; c += 2) {  // 64 dims per pass: Q^T in tiles 4, 5
-      _tile_loadd(4, qt[t][c], 64);
-      if (c + 1 < C) _tile_loadd(5, qt[t][c + 1], 64);
-#define MINISGL_QK(n)                                \
-  _tile_loadd(6, st.kp[sb] + c * 32, D * 2);         \
-  _tile_dpbf16ps(n, 6, 4);                           \
-  if (c + 1 < C) {                                   \
-    _tile_loadd(7, st.kp[sb] + (c + 1) * 32, D * 2); \
-    _tile_dpbf16ps(n, 7, 5);                         \
   }
-      for (int sb = 0; sb < st.nsb; ++sb) MINISGL_TILE4(sb, MINISGL_QK)
-    }
-#define MINISGL_SCORES(n) _tile_stored(n, sc[sb * KB], 64)
-    for (int sb = 0; sb < st.nsb; ++sb) MINISGL_TILE4(sb, MINISGL_SCORES)
-  };
+
   // (p_2i, p_2i+1) of each lane as one 32-bit pair: words 0-15 of cvtne2ps_pbh(b, a) are a's
   const __m512i interleave = _mm512_set_epi16(
       31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
       19, 3, 18, 2, 17, 1, 16, 0);
-  // Softmax in base 2: y = score * scale * log2(e), running max in those units, p = 2^(y - max)
+  // Softmax in base 2: y = score * scale * log2(e), the reference max in those units, p = 2^(y -
+  // reference)
   const __m512 vscale = _mm512_set1_ps(scale * minisgl_vec::kLog2e),
-               ninf = _mm512_set1_ps(NEG_INF), one = _mm512_set1_ps(1.f);
-  // The online softmax of row tile t over the step's scores, then O += P V.
-  auto softmax_pv = [&](const Step& st, int64_t t) {
-    const int64_t kb0 = st.kb0;
-    const int nkeys = st.nkeys, npair = (st.nsb + 1) / 2;
-    // Rows that see all 64 keys of the step (prefill and extend away from the diagonal, a
-    // shared prefix's decode queries) need no masks.
-    const bool full = nkeys == SB * KB && low_max[t] <= kb0 && lim_min[t] >= kb0 + SB * KB;
-    // (the loops are unrolled so that the chains and the 16 pair vectors stay in registers)
-    __mmask16 seen[SB * KB];
-    __m512 vmax[4] = {ninf, ninf, ninf, ninf};  // four chains: a max waits for the one before
-    if (full) {
-#pragma GCC unroll 64
-      for (int j = 0; j < SB * KB; ++j)  // (of the raw scores: scale > 0)
-        vmax[j % 4] = _mm512_max_ps(vmax[j % 4], _mm512_load_ps(sc[j]));
+               ninf = _mm512_set1_ps(NEG_INF), lazy = _mm512_set1_ps(kLazy);
+  const bool resident = Z == ZT;  // O^T in tiles 0-3 all along (D = 64)
+  attn_tiles_begin();
+  for (int64_t t = 0; t < NT; ++t) {
+    __m512 mref = ninf, lsum = _mm512_setzero_ps();
+    if (resident) {
+#define MINISGL_ZERO(n) _tile_zero(n)
+      for (int zt = 0; zt < ZT; ++zt) MINISGL_TILE4(zt, MINISGL_ZERO)
     } else {
-#pragma GCC unroll 16
-      for (int j = 0; j < SB * KB; ++j) {
-        const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(kb0 + j));
-        seen[j] = j < nkeys ? _mm512_cmple_epi32_mask(vlow[t], key) &
-                                  _mm512_cmplt_epi32_mask(key, vlim[t])
-                            : __mmask16(0);
-        vmax[j % 4] = _mm512_max_ps(vmax[j % 4],
-                                    _mm512_mask_load_ps(ninf, seen[j], sc[j]));
-      }
+      std::fill(&ot[0][0], &ot[0][0] + D * 16, 0.f);
     }
-    const __m512 mnew = _mm512_max_ps(
-        mv[t], _mm512_mul_ps(vscale, _mm512_max_ps(_mm512_max_ps(vmax[0], vmax[1]),
-                                                   _mm512_max_ps(vmax[2], vmax[3]))));
-    // rows that have seen no key yet subtract 0, not -inf (their p are masked to 0)
-    const __m512 mb = _mm512_mask_mov_ps(mnew, _mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ),
-                                         _mm512_setzero_ps());
-    const __m512 corr = exp2_16(_mm512_max_ps(_mm512_sub_ps(mv[t], mb), _mm512_set1_ps(-200.f)));
-    __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                     _mm512_setzero_ps()};
-    for (int h = 0; h < npair; ++h) {  // 32 keys: p in pairs, then row n's 16 pairs to pa[n]
-      __m512 u[16];
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) {
-        __m512 p[2];
-        for (int e = 0; e < 2; ++e) {
-          const int j = 32 * h + 2 * i + e;
-          const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(sc[j]), vscale, mb);
-          p[e] = full ? exp2_16(x) : _mm512_maskz_mov_ps(seen[j], exp2_16(x));
-          sum[(2 * i + e) % 4] = _mm512_add_ps(sum[(2 * i + e) % 4], p[e]);
-        }
-        u[i] = _mm512_castsi512_ps(_mm512_permutexvar_epi16(
-            interleave, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0])));
-      }
-      transpose16(u);
-      for (int n = 0; n < 16; ++n)
-        _mm512_store_ps(reinterpret_cast<float*>(pa[n] + 32 * h), u[n]);
-    }
-    lv[t] = _mm512_fmadd_ps(lv[t], corr, _mm512_add_ps(_mm512_add_ps(sum[0], sum[1]),
-                                                      _mm512_add_ps(sum[2], sum[3])));
-    mv[t] = mnew;
-    if (const __mmask16 changed = _mm512_cmp_ps_mask(corr, one, _CMP_NEQ_UQ)) {
-      alignas(64) float cf[16];
-      _mm512_store_ps(cf, corr);
-      for (int n = 0; n < 16; ++n) {
-        if (!(changed >> n & 1)) continue;
-        float* o = O + (16 * t + n) * D;
-        for (int64_t z = 0; z < D; z += 16)
-          _mm512_storeu_ps(o + z, _mm512_mul_ps(_mm512_loadu_ps(o + z), _mm512_set1_ps(cf[n])));
-      }
-    }
-    float* Ot = O + 16 * t * D;
-    for (int64_t z0 = 0; z0 < Z; z0 += ZT) {  // O += P V for these rows, ZT x 16 dims at once
-      const int nz = static_cast<int>(std::min<int64_t>(ZT, Z - z0));
-#define MINISGL_OLOAD(n) _tile_loadd(n, Ot + (z0 + zt) * 16, D * 4)
-      for (int zt = 0; zt < nz; ++zt) MINISGL_TILE4(zt, MINISGL_OLOAD)
-      for (int pp = 0; pp < npair; ++pp) {
-        _tile_loadd(4, pa[0] + pp * 2 * KB, SB * KB * 2);
-#define MINISGL_PV(n, vt)                        \
-  _tile_loadd(vt, st.vp[pp] + z0 + zt, Z * 64);  \
-  _tile_dpbf16ps(n, 4, vt)
-#define MINISGL_PV_EVEN(n) MINISGL_PV(n, 5)
-#define MINISGL_PV_ODD(n) MINISGL_PV(n, 6)
-        for (int zt = 0; zt < nz; ++zt) {  // V alternates between tiles 5 and 6
-          if (zt % 2) {
-            MINISGL_TILE4(zt, MINISGL_PV_ODD)
-          } else {
-            MINISGL_TILE4(zt, MINISGL_PV_EVEN)
+#define MINISGL_OLOAD(n) _tile_loadd(n, ot[16 * (z0 + zt)], 64)
+#define MINISGL_OSTORE(n) _tile_stored(n, ot[16 * (z0 + zt)], 64)
+    for (const Step& st : w.steps) {
+      const int64_t kb0 = st.kb0;
+      const int nkeys = st.nkeys, npair = (st.nsb + 1) / 2;
+      if (low_min[t] >= kb0 + nkeys || lim_max[t] <= kb0) continue;  // no row sees these keys
+      // S^T of the step's blocks, two at a time, into sc (a key per row)
+      for (int sb = 0; sb < st.nsb; sb += 2) {
+        const bool two = sb + 1 < st.nsb;
+        _tile_zero(4);
+        if (two) _tile_zero(5);
+        for (int64_t c = 0; c < C; ++c) {
+          _tile_loadd(6, qt[t][c], 64);
+          _tile_loadd(7, st.kp[sb] + c * 32, D * 2);
+          _tile_dpbf16ps(4, 7, 6);
+          if (two) {
+            _tile_loadd(7, st.kp[sb + 1] + c * 32, D * 2);
+            _tile_dpbf16ps(5, 7, 6);
           }
         }
+        _tile_stored(4, sc[sb * KB], 64);
+        if (two) _tile_stored(5, sc[(sb + 1) * KB], 64);
       }
-#define MINISGL_OSTORE(n) _tile_stored(n, Ot + (z0 + zt) * 16, D * 4)
-      for (int zt = 0; zt < nz; ++zt) MINISGL_TILE4(zt, MINISGL_OSTORE)
+      // Rows that see all 64 keys of the step (prefill and extend away from the diagonal, a
+      // shared prefix's decode queries) need no masks.
+      const bool full = nkeys == SB * KB && low_max[t] <= kb0 && lim_min[t] >= kb0 + SB * KB;
+      // (the loops are unrolled so that the chains and the pair vectors stay in registers)
+      __mmask16 seen[SB * KB];
+      __m512 vmax[4] = {ninf, ninf, ninf, ninf};  // four chains: a max waits for the one before
+      if (full) {
+#pragma GCC unroll 64
+        for (int j = 0; j < SB * KB; ++j)  // (of the raw scores: scale > 0)
+          vmax[j % 4] = _mm512_max_ps(vmax[j % 4], _mm512_load_ps(sc[j]));
+      } else {
+#pragma GCC unroll 16
+        for (int j = 0; j < SB * KB; ++j) {
+          const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(kb0 + j));
+          seen[j] = j < nkeys ? _mm512_cmple_epi32_mask(vlow[t], key) &
+                                    _mm512_cmplt_epi32_mask(key, vlim[t])
+                              : __mmask16(0);
+          vmax[j % 4] = _mm512_max_ps(vmax[j % 4],
+                                      _mm512_mask_load_ps(ninf, seen[j], sc[j]));
+        }
+      }
+      const __m512 mx = _mm512_mul_ps(vscale, _mm512_max_ps(_mm512_max_ps(vmax[0], vmax[1]),
+                                                            _mm512_max_ps(vmax[2], vmax[3])));
+      // Rows whose max passes their reference by more than kLazy (or that had none) move it
+      // there; of them, those that had one rescale their sum and O (rows that had none have
+      // O = 0, and the factor 0).
+      if (const __mmask16 up = _mm512_cmp_ps_mask(mx, _mm512_add_ps(mref, lazy), _CMP_GT_OQ)) {
+        const __m512 mnew = _mm512_mask_mov_ps(mref, up, mx);
+        const __m512 corr =
+            exp2_16(_mm512_max_ps(_mm512_sub_ps(mref, mnew), _mm512_set1_ps(-200.f)));
+        lsum = _mm512_mul_ps(lsum, corr);
+        if (_mm512_mask_cmp_ps_mask(up, mref, ninf, _CMP_NEQ_OQ)) {
+          const int64_t z0 = 0;
+          if (resident)
+            for (int zt = 0; zt < ZT; ++zt) MINISGL_TILE4(zt, MINISGL_OSTORE)
+          for (int64_t d = 0; d < D; ++d)
+            _mm512_store_ps(ot[d], _mm512_mul_ps(_mm512_load_ps(ot[d]), corr));
+          if (resident)
+            for (int zt = 0; zt < ZT; ++zt) MINISGL_TILE4(zt, MINISGL_OLOAD)
+        }
+        mref = mnew;
+      }
+      // rows that have seen no key yet subtract 0, not -inf (their p are masked to 0)
+      const __m512 mb = _mm512_mask_mov_ps(mref, _mm512_cmp_ps_mask(mref, ninf, _CMP_EQ_OQ),
+                                           _mm512_setzero_ps());
+      __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+      for (int h = 0; h < npair; ++h) {  // 32 keys: p in pairs, as P^T's 16 rows
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+          __m512 p[2];
+          for (int e = 0; e < 2; ++e) {
+            const int j = 32 * h + 2 * i + e;
+            const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(sc[j]), vscale, mb);
+            p[e] = full ? exp2_16(x) : _mm512_maskz_mov_ps(seen[j], exp2_16(x));
+            sum[(2 * i + e) % 4] = _mm512_add_ps(sum[(2 * i + e) % 4], p[e]);
+          }
+          _mm512_store_si512(&pt[h][i], _mm512_permutexvar_epi16(
+                                            interleave, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0])));
+        }
+      }
+      lsum = _mm512_add_ps(lsum, _mm512_add_ps(_mm512_add_ps(sum[0], sum[1]),
+                                               _mm512_add_ps(sum[2], sum[3])));
+      // O^T += V^T P^T, 32 keys per tdpbf16ps, V^T alternating between tiles 6 and 7
+#define MINISGL_PV(n, a)                                 \
+  _tile_loadd(a, st.vt[pp] + 16 * (z0 + zt) * 32, 64); \
+  _tile_dpbf16ps(n, a, 4)
+#define MINISGL_PV_EVEN(n) MINISGL_PV(n, 6)
+#define MINISGL_PV_ODD(n) MINISGL_PV(n, 7)
+      for (int64_t z0 = 0; z0 < Z; z0 += ZT) {
+        const int nz = static_cast<int>(std::min<int64_t>(ZT, Z - z0));
+        if (!resident)
+          for (int zt = 0; zt < nz; ++zt) MINISGL_TILE4(zt, MINISGL_OLOAD)
+        for (int pp = 0; pp < npair; ++pp) {
+          _tile_loadd(4, pt[pp], 64);
+          for (int zt = 0; zt < nz; ++zt) {
+            if (zt % 2) {
+              MINISGL_TILE4(zt, MINISGL_PV_ODD)
+            } else {
+              MINISGL_TILE4(zt, MINISGL_PV_EVEN)
+            }
+          }
+        }
+        if (!resident)
+          for (int zt = 0; zt < nz; ++zt) MINISGL_TILE4(zt, MINISGL_OSTORE)
+      }
     }
-  };
-
-  // Step by step, each row tile that sees some of the step's keys: scores, softmax, P V. (Not
-  // software-pipelined, the next unit's scores asked of the tiles before this one's softmax:
-  // on this CPU the tiles and the AVX-512 FMAs do not run at the same time, measured: 4
-  // tdpbf16ps 83 cycles, 128 independent FMAs 77, both interleaved 153.)
-  attn_tiles_begin();
-  Step st;
-  for (int64_t kb0 = it.k0; kb0 < it.k1; kb0 += SB * KB) {
-    const int64_t kend = std::min(it.k1, kb0 + SB * KB);
-    bool any = false;
-    for (int64_t t = 0; t < NT; ++t) any |= low_min[t] < kend && lim_max[t] > kb0;
-    if (!any) continue;
-    prepare(kb0, st);
-    for (int64_t t = 0; t < NT; ++t) {
-      if (low_min[t] >= kend || lim_max[t] <= kb0) continue;  // no row sees these keys
-      scores_of(st, t);
-      softmax_pv(st, t);
+    if (resident) {
+      const int64_t z0 = 0;
+      for (int zt = 0; zt < ZT; ++zt) MINISGL_TILE4(zt, MINISGL_OSTORE)
     }
+    for (int64_t z = 0; z < Z; ++z) {  // O^T to rows
+      __m512 u[16];
+      for (int d = 0; d < 16; ++d) u[d] = _mm512_load_ps(ot[16 * z + d]);
+      transpose16(u);
+      for (int n = 0; n < 16; ++n) _mm512_storeu_ps(O + (16 * t + n) * D + 16 * z, u[n]);
+    }
+    alignas(64) float mf[16], lf[16];
+    _mm512_store_ps(mf, mref);
+    _mm512_store_ps(lf, lsum);
+    for (int64_t n = 0; n < 16 && 16 * t + n < R; ++n)  // (the max in natural units again)
+      m[16 * t + n] = mf[n] * std::numbers::ln2_v<float>, l[16 * t + n] = lf[n];
   }
   _tile_release();
-  for (int64_t tt = 0; tt < NT; ++tt) {
-    alignas(64) float mf[16], lf[16];
-    _mm512_store_ps(mf, mv[tt]);
-    _mm512_store_ps(lf, lv[tt]);
-    for (int64_t n = 0; n < 16 && 16 * tt + n < R; ++n)  // (the max in natural units again)
-      m[16 * tt + n] = mf[n] * std::numbers::ln2_v<float>, l[16 * tt + n] = lf[n];
-  }
 }
 
 // Fills blocks for the batch's requests whose items run on tiles (at least 16 rows: a mixed
@@ -722,44 +760,47 @@ void build_blocks(Blocks& blocks, const at::Tensor& k, const at::Tensor& v, cons
       blocks.id[b * blocks.nb + j] = u;
     }
   }
-  const int64_t n = blocks.n = static_cast<int64_t>(first.size()), V = 8 * (D / 16);
+  const int64_t n = blocks.n = static_cast<int64_t>(first.size());
   // reused from call to call (a fresh allocation of megabytes per layer faults its pages in);
-  // one zero block past the last: an odd last block's pair partner (P is 0 there). K rows of
-  // blocks that are not a run of slots are copied into kcopy.
-  static thread_local std::vector<__m512i> vp_store;
+  // V^T rows of n + 1 blocks, the last zeros: an odd last block's pair partner (P is 0 there).
+  // K rows of blocks that are not a run of slots are copied into kcopy.
+  static thread_local std::vector<uint16_t> vt_store;
   static thread_local std::vector<uint16_t> kcopy;
-  if (vp_store.size() < static_cast<size_t>((KVH * n + 1) * V)) vp_store.resize((KVH * n + 1) * V);
+  if (vt_store.size() < static_cast<size_t>(KVH * n * D * 32)) vt_store.resize(KVH * n * D * 32);
   if (kcopy.size() < static_cast<size_t>(KVH * n * KB * D)) kcopy.resize(KVH * n * KB * D);
-  std::fill_n(vp_store.data() + KVH * n * V, V, _mm512_setzero_si512());
-  __m512i* vpairs = vp_store.data();
+  uint16_t* vt = vt_store.data();
+  for (int64_t h = 0; n > 0 && h < KVH; ++h)  // the last block's partner: zeros
+    for (int64_t d = 0; d < D; ++d)
+      std::fill_n(vt + ((h * n + n - 1) * D + d) * 32 + 16, 16, uint16_t(0));
   uint16_t* kc = kcopy.data();  // (a thread_local named in the loop below is each thread's own)
-  blocks.vp = vpairs;
+  blocks.vt = vt;
   blocks.krow.resize(KVH * n);
   const int64_t S = k.size(1);
   const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<c10::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<c10::BFloat16>());
   at::parallel_for(0, KVH * n, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) __m512i pairs[KB / 2 * MAXD / 16];
     for (int64_t hu = begin; hu < end; ++hu) {
-      const int64_t h = hu / n;
-      const auto [b, j] = first[hu % n];
+      const int64_t h = hu / n, u = hu % n;
+      const auto [b, j] = first[u];
       const int nk = static_cast<int>(std::min<int64_t>(KB, kl[b] - j * KB));
       const uint16_t* krow[KB];
       const uint16_t* vrow[KB];
       block_rows(kp + h * S * D, vp + h * S * D, slots + b * Lk, j * KB, nk, kl[b], D, krow, vrow);
       blocks.krow[hu] = block_k(krow, nk, D, kc + hu * KB * D);
-      pair_rows(vrow, D, vpairs + hu * V);
+      pair_rows(vrow, D, pairs);
+      vt_rows(pairs, KB / 2, D, vt + hu * D * 32, 32, 32);  // its pair's left half
+      if (u > 0) vt_rows(pairs, KB / 2, D, vt + (hu - 1) * D * 32 + 16, 32, 32);  // the right
     }
   });
 }
 #undef MINISGL_TILE4
 #undef MINISGL_ZERO
-#undef MINISGL_QK
-#undef MINISGL_SCORES
 #undef MINISGL_OLOAD
+#undef MINISGL_OSTORE
 #undef MINISGL_PV
 #undef MINISGL_PV_EVEN
 #undef MINISGL_PV_ODD
-#undef MINISGL_OSTORE
 #endif
 
 // Dims of the pair order back to the natural order, scaled by inv, as bf16.
