@@ -134,10 +134,13 @@ class Engine:
                 torch.arange(batch_size, device=self.device))
 
     def _dummy_prefill(self, num_reqs: int) -> tuple[Any, ...]:
-        """Like ``_dummy_decode`` for a prefill/extend step: request i has 5 + 2i new tokens after
-        3 + 3i cached ones, so that tokens, requests and keys all differ (one symbol each)."""
+        """Like ``_dummy_decode`` for a prefill/extend step: request i has 59 + 2i new tokens after
+        3 + 3i cached ones, so that tokens, requests and keys all differ (one symbol each). Inductor
+        sizes its loops by these: at 5 tokens a request it ran a prefill's K RoPE and KV-pool
+        stores (per token: 3 heads x 64 dims, below its 512 elements per thread) on one thread
+        while the other waited, whatever the prefill's length."""
         zeros = self._zeros
-        q_lens = [5 + 2 * i for i in range(num_reqs)]
+        q_lens = [59 + 2 * i for i in range(num_reqs)]
         kv_lens = [n + 3 + 3 * i for i, n in enumerate(q_lens)]
         n = sum(q_lens)
         layout = BatchLayout("prefill", q_lens, kv_lens, [0] * num_reqs, zeros(1, max(kv_lens)),
