@@ -529,8 +529,9 @@ def test_int8_linear_bad_inputs_are_refused() -> None:
 # weights to float32 before its microkernel, below converting each line as it loads it: 64, 67,
 # 300); the weights: fewer outputs than a block (16), a
 # tail block, a thread's share not a multiple of the 4-block panel, SmolLM2 shapes, and (4, 64)
-# with 300 rows: too few blocks to split, so the rows are split instead
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 21, 64, 67, 300])
+# with 300 rows: too few blocks to split, so the rows are split instead; 520 rows: on AMX tiles
+# 256 rows or more per thread, where the rows are split whatever the blocks (a last group of 8)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 21, 64, 67, 300, 520])
 @pytest.mark.parametrize(("n", "k"), [(1, 2), (3, 34), (40, 64), (4, 64), (960, 576),
                                       (577, 1536), (200, 96)])
 def test_bf16_linear_matches_float64(rows: int, n: int, k: int) -> None:
@@ -564,7 +565,7 @@ def _silu_mul64(y: torch.Tensor) -> torch.Tensor:
 # int8's 12 rows for tiles; halves: whole blocks of 16 outputs (the tiles' gated form) and not
 # (the linear, then the product), SmolLM2's 1,536
 @pytest.mark.parametrize("int8", [False, True])
-@pytest.mark.parametrize("rows", [1, 5, 13, 16, 33, 300])
+@pytest.mark.parametrize("rows", [1, 5, 13, 16, 33, 300, 520])
 @pytest.mark.parametrize(("half", "k"), [(16, 64), (24, 64), (48, 96), (1536, 576)])
 def test_gated_linear_matches_float64(int8: bool, rows: int, half: int, k: int) -> None:
     """bf16_linear_silu / int8_linear_silu: silu(x @ gate.T) * (x @ up.T) of a [gate; up]

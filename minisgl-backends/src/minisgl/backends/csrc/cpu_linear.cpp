@@ -594,11 +594,13 @@ void rows(const Args& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
   }
 }
 
-// The threads' shares of M rows x NB blocks: fn(m0, m1, b0, b1) on each thread.
+// The threads' shares of M rows x NB blocks: fn(m0, m1, b0, b1) on each thread. From
+// rows_each rows per thread on (0: never) the rows are split whatever NB (see run_amx).
 template <class Fn>
-void split(int64_t M, int64_t NB, int64_t MR, const Fn& fn) {
+void split(int64_t M, int64_t NB, int64_t MR, const Fn& fn, int64_t rows_each = 0) {
   const int64_t threads = at::get_num_threads();
-  if (NB >= 2 * threads || M <= MR) {
+  const bool many_rows = rows_each > 0 && M >= rows_each * threads;
+  if ((NB >= 2 * threads || M <= MR) && !many_rows) {
     // each thread streams its own share of the weight once (whole blocks; x is shared)
     at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) { fn(0, M, b0, b1); });
   } else {  // few output blocks, many rows: split the rows instead
@@ -1066,13 +1068,22 @@ void amx_rows(const Args& a, const char* lo, int64_t M, int64_t m0, int64_t m1, 
   _tile_release();
 }
 
-// all M rows on the tiles, over the threads as split() shares them. int8: `lo` as amx_rows
+// all M rows on the tiles, over the threads as split() shares them. int8: `lo` as amx_rows.
+// bf16 from 256 rows per thread on: the rows split, each thread reading all of the weight, not
+// its half of the blocks against all rows. A thread's x (576 inputs: 0.3 MB per 256 rows) then
+// stays in its L2 beside the weight's stream and its y, and in the engine it is what that
+// thread's share of the previous kernel wrote (Inductor's loops split rows alike), y what it
+// reads next. Measured (2 threads): the 120 SmolLM2 layer weights at 1,024 rows 120-125 ->
+// 107-108 ms, 512 rows 56-61 -> 55-56, 256 rows 31-33 -> 33-38 (worse, so not there); a
+// 1,024-token prefill in the engine 224-231 -> 194-205 ms. (int8, whose threads would each
+// make every block's quads, measured within noise: left as it was.)
+constexpr int64_t kRowsEach = 256;
 template <class F>
 void run_amx(const Args& a, int64_t M, int64_t NB, const char* lo = nullptr) {
   constexpr int64_t kGroup = std::is_same_v<F, Int8Format> ? kTileRows : 2 * kTileRows;
   split(M, NB, kGroup, [&](int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
     amx_rows<F>(a, lo, M, m0, m1, b0, b1);
-  });
+  }, std::is_same_v<F, Bf16Format> ? kRowsEach : 0);
 }
 
 // int16 x (|q| <= 8191) -> its low bytes (unsigned) and high bytes (signed): q = 256 hi + lo
