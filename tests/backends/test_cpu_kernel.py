@@ -119,6 +119,18 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
                                        torch.cumsum(ql, 0) - ql, ql, scale, window)
 
 
+def _assert_matches_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            slots: torch.Tensor, kv_lens: list[int], q_lens: list[int]
+                            ) -> torch.Tensor:
+    """The kernel at scale 1 / sqrt(head_dim) against reference(), within 2e-2 (bf16 output and
+    P roundings); returns the kernel's output."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    out = _attend(q, k, v, slots, kv_lens, q_lens, scale)
+    ref = reference(q, k, v, slots, kv_lens, q_lens, scale)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+    return out
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim"),
                          [(3, 3, 64), (2, 2, 128), (1, 8, 32), (4, 1, 64), (2, 4, 256)])
@@ -208,12 +220,7 @@ def test_decode_over_shared_prefixes_matches_float64(kv_heads: int, group: int,
     k = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
     v = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
     q = (2 * torch.randn(len(rows), kv_heads * group, head_dim, generator=gen)).bfloat16()
-    ones = torch.ones(len(rows), dtype=torch.int64)
-    scale = 1 / math.sqrt(head_dim)
-    out = cpu_kernels.paged_attention(q, k, v, slots, torch.tensor(kv_lens),
-                                      torch.arange(len(rows)), ones, scale)
-    ref = reference(q, k, v, slots, kv_lens, [1] * len(rows), scale)
-    assert (out.double() - ref).abs().max().item() < 2e-2
+    _assert_matches_float64(q, k, v, slots, kv_lens, [1] * len(rows))
 
 
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim"),
@@ -251,10 +258,7 @@ def test_extend_over_shared_prefixes_matches_float64(kv_heads: int, group: int,
     k = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
     v = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
     q = (2 * torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen)).bfloat16()
-    scale = 1 / math.sqrt(head_dim)
-    out = _attend(q, k, v, slots, kv_lens, q_lens, scale)
-    ref = reference(q, k, v, slots, kv_lens, q_lens, scale)
-    assert (out.double() - ref).abs().max().item() < 2e-2
+    _assert_matches_float64(q, k, v, slots, kv_lens, q_lens)
 
 
 @pytest.mark.parametrize("phase", ["prefill", "extend", "decode"])
@@ -300,10 +304,7 @@ def test_slots_in_page_runs_match_float64(phase: str, kv_heads: int, group: int,
     k = torch.randn(kv_heads, 16 * pool_pages, head_dim, generator=gen).bfloat16()
     v = torch.randn(kv_heads, 16 * pool_pages, head_dim, generator=gen).bfloat16()
     q = (2 * torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen)).bfloat16()
-    scale = 1 / math.sqrt(head_dim)
-    out = _attend(q, k, v, slots, kv_lens, q_lens, scale)
-    ref = reference(q, k, v, slots, kv_lens, q_lens, scale)
-    assert (out.double() - ref).abs().max().item() < 2e-2
+    _assert_matches_float64(q, k, v, slots, kv_lens, q_lens)
 
 
 @pytest.mark.parametrize("phase", ["prefill", "extend", "decode"])
@@ -344,11 +345,8 @@ def test_scores_growing_along_the_keys_match_float64(phase: str, kv_heads: int, 
     k = (k * (0.2 + pos_of / 16)[None, :, None]).bfloat16()
     v = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
     q = torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen).bfloat16()
-    scale = 1 / math.sqrt(head_dim)
-    out = _attend(q, k, v, slots, kv_lens, q_lens, scale)
-    ref = reference(q, k, v, slots, kv_lens, q_lens, scale)
+    out = _assert_matches_float64(q, k, v, slots, kv_lens, q_lens)
     assert torch.isfinite(out).all()
-    assert (out.double() - ref).abs().max().item() < 2e-2
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
