@@ -394,21 +394,24 @@ inline const uint16_t* block_k(const uint16_t* const* krow, int nk, int64_t D, u
 }
 
 // V^T from np key pairs (pair_rows' layout: D / 16 vectors per pair; np = 8 for one block, 16
-// for two): row d of out (ld elements apart) holds dim d (pair order) of the 2 np keys, 32-bit
-// pair by pair; `bytes` (32 or 64) of each row are stored, zeros past the pairs.
-inline void vt_rows(const __m512i* vp, int np, int64_t D, uint16_t* out, int64_t ld,
-                    int bytes) {
+// for two): row d of out (rows 64 bytes apart) holds dim d (pair order) of the 2 np keys, 32-bit
+// pair by pair; `bytes` (32 or 64) of each row are stored, zeros past the pairs; with `also`,
+// the rows' first 32 bytes go there too (rows 64 bytes apart).
+inline void vt_rows(const __m512i* vp, int np, int64_t D, uint16_t* out, int bytes,
+                    uint16_t* also = nullptr) {
   const int64_t Z = D / 16;
   for (int64_t z = 0; z < Z; ++z) {
     __m512i u[16];
     for (int jp = 0; jp < 16; ++jp) u[jp] = jp < np ? vp[jp * Z + z] : _mm512_setzero_si512();
     transpose16(u);
     for (int d = 0; d < 16; ++d) {
-      uint16_t* row = out + (16 * z + d) * ld;
+      const int64_t row = (16 * z + d) * 32;
+      const __m256i lo = _mm512_castsi512_si256(u[d]);
       if (bytes == 64)
-        _mm512_storeu_si512(row, u[d]);
+        _mm512_storeu_si512(out + row, u[d]);
       else
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), _mm512_castsi512_si256(u[d]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + row), lo);
+      if (also) _mm256_storeu_si256(reinterpret_cast<__m256i*>(also + row), lo);
     }
   }
 }
@@ -558,7 +561,7 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
           st.kp[sb] = block_k(krow, nk, D, w.kcopy.data() + (s * SB + sb) * KB * D);
           pair_rows(vrow, D, vp + e * 8 * Z);
         }
-        vt_rows(vp, two ? 16 : 8, D, vbuf, 32, 64);
+        vt_rows(vp, two ? 16 : 8, D, vbuf, 64);
         continue;
       }
       const int64_t j = st.kb0 / KB + 2 * pp;
@@ -789,8 +792,9 @@ void build_blocks(Blocks& blocks, const at::Tensor& k, const at::Tensor& v, cons
       block_rows(kp + h * S * D, vp + h * S * D, slots + b * Lk, j * KB, nk, kl[b], D, krow, vrow);
       blocks.krow[hu] = block_k(krow, nk, D, kc + hu * KB * D);
       pair_rows(vrow, D, pairs);
-      vt_rows(pairs, KB / 2, D, vt + hu * D * 32, 32, 32);  // its pair's left half
-      if (u > 0) vt_rows(pairs, KB / 2, D, vt + (hu - 1) * D * 32 + 16, 32, 32);  // the right
+      // the left half of its own pair, the right half of the previous block's
+      vt_rows(pairs, KB / 2, D, vt + hu * D * 32, 32,
+              u > 0 ? vt + (hu - 1) * D * 32 + 16 : nullptr);
     }
   });
 }
