@@ -200,9 +200,10 @@ def test_decode_over_shared_prefixes_matches_float64(kv_heads: int, group: int,
     gen = torch.Generator().manual_seed(1)
     pool, lk = 16384, 420
     # (members, shared slots, each member's kv_len): groups of 3 (200 shared), 18 (100, more
-    # members than one item takes), 2 (45), 2 sharing too little (20), and a lone request
+    # members than one item takes), 2 (45), 2 sharing too little (20), 3 of which one has no
+    # keys past the 128 shared (an empty item of its own keys), and a lone request
     groups = [(3, 200, [260, 201, 333]), (18, 100, [101 + 7 * i for i in range(18)]),
-              (2, 45, [46, 400]), (2, 20, [64, 30]), (1, 0, [150])]
+              (2, 45, [46, 400]), (2, 20, [64, 30]), (3, 128, [200, 128, 150]), (1, 0, [150])]
     perm = torch.randperm(pool - 1, generator=gen) + 1
     used, rows, kv_lens = 0, [], []
     for members, shared, lens in groups:

@@ -19,10 +19,11 @@
 // form groups: items run the shared keys for the queries of up to 16 of them (split into pieces
 // only as far as the threads need), each request runs its own keys after, and the parts merge
 // as in split-K (not with a window: every request sees keys of its own range). Threads claim
-// runs of consecutive items of about equal work. The AVX2 build (no bf16 dot product) runs
-// the same items and blocks in float32: K widened once per block, P not rounded (see run_item
-// there), except that an item of one decode query runs two passes over its keys instead
-// (run_decode). Where AMX tiles run (cpu_linear.cpp), items of 16 rows or more multiply on
+// runs of consecutive items of about equal work; in a decode step each prefetches the first
+// keys of its next item while it runs the current one (Ahead). The AVX2 build (no bf16 dot
+// product) runs the same items and blocks in float32: K widened once per block, P not rounded
+// (see run_item there), except that an item of one decode query runs two passes over its keys
+// instead (run_decode). Where AMX tiles run (cpu_linear.cpp), items of 16 rows or more multiply on
 // them (run_item_amx), with both products transposed (S^T = K Q^T: key blocks are tile rows
 // as they lie in the pool's pages, the softmax runs lane-wise; O^T = V^T P^T, P^T as the
 // softmax makes it), and a prefill or extend batch builds each distinct key block's V^T once
@@ -40,6 +41,7 @@
 #include <cstring>
 #include <limits>
 #include <numbers>
+#include <span>
 #include <type_traits>
 #include <unordered_map>
 #include <vector>
@@ -152,6 +154,22 @@ inline void block_rows(const uint16_t* kh, const uint16_t* vh, const int64_t* sr
   prefetch_rows<3>(kh, vh, srow, kb + 2 * KB, std::min(kb + 3 * KB, k1), D);
   prefetch_rows<1>(kh, vh, srow, kb + 3 * KB, std::min(kb + 4 * KB, k1), D);
 }
+
+// The first keys of the item a thread runs next: their K and V rows prefetched into L2 a few at
+// a time while it runs this one (an item's own prefetch asks only for blocks two and three
+// ahead of the one it loads, so its first two blocks would wait on memory). 64 decode requests
+// (8 groups of a 1,024-key shared prefix, 80 keys each of their own) over 30 layers' pools
+// from memory: 35.9 -> 33.2 ms per step with two blocks ahead (one 33.8-34.3, four 34.2-35.8).
+struct Ahead {
+  const uint16_t *kh = nullptr, *vh = nullptr;
+  const int64_t* srow = nullptr;
+  int64_t j = 0, k1 = 0, D = 0;
+  void keys(int64_t n) {  // the next n keys' rows
+    const int64_t e = std::min(k1, j + n);
+    prefetch_rows<1>(kh, vh, srow, j, e, D);
+    j = e;
+  }
+};
 
 #endif
 
@@ -281,7 +299,7 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
               const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
               int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
               int64_t S, int64_t G, int64_t D, float scale, int64_t window, float* O, float* m,
-              float* l) {
+              float* l, Ahead& ahead) {
   const int64_t R = it.nq * G, P = D / 2, Z = D / 16;
   alignas(64) static thread_local __m512i kt[MAXD / 2];
   alignas(64) static thread_local __m512i vp[KB / 2 * MAXD / 16];
@@ -299,8 +317,11 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
   const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * D;
   const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * D;
   const int64_t* srow = slots + it.b * Lk;
+  const int64_t blocks = std::max<int64_t>(1, (it.k1 - it.k0 + KB - 1) / KB);  // (0 keys: none)
+  const int64_t per = (ahead.k1 - ahead.j + blocks - 1) / blocks;
   for (int64_t kb = it.k0; kb < it.k1; kb += KB) {
     const int nk = load_block(kh, vh, srow, kb, it.k1, D, kt, vp);
+    ahead.keys(per);
     // Scores and online softmax, 16 rows at a time.
     for (int64_t r0 = 0; r0 < R; r0 += 16) {
       const int nr = static_cast<int>(std::min<int64_t>(16, R - r0));
@@ -987,7 +1008,7 @@ inline void row_groups(int64_t G, const Fn& fn) {
 void run_decode(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
                 const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t qrow0,
                 int64_t H, int64_t S, int64_t G, int64_t D, float scale, float* O, float* m,
-                float* l) {
+                float* l, Ahead& ahead) {
   constexpr int64_t ld = kChunk + 8;
   alignas(32) static thread_local float sc[8 * ld];   // scores, then P: [G][ld]
   alignas(32) static thread_local float op[8 * MAXD];  // O in pair order: [G][D]
@@ -1008,8 +1029,11 @@ void run_decode(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
   }
   std::fill(op, op + G * D, 0.f);
   for (int64_t g = 0; g < G; ++g) m[g] = NEG_INF, l[g] = 0.f;
+  const int64_t chunks = std::max<int64_t>(1, (it.k1 - it.k0 + kChunk - 1) / kChunk);
+  const int64_t per = (ahead.k1 - ahead.j + chunks - 1) / chunks;
   for (int64_t a = it.k0; a < it.k1; a += kChunk) {
     const int64_t n = std::min(kChunk, it.k1 - a), n4 = (n + 3) / 4 * 4, n8 = (n + 7) / 8 * 8;
+    ahead.keys(per);
     for (int64_t j = 0; j < n4; ++j) {
       kr[j] = j < n ? kh + srow[a + j] * D : zero_row;
       vr[j] = j < n ? vh + srow[a + j] * D : zero_row;
@@ -1073,9 +1097,9 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
               const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
               int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
               int64_t S, int64_t G, int64_t D, float scale, int64_t window, float* O, float* m,
-              float* l) {
+              float* l, Ahead& ahead) {
   if (it.nq == 1 && it.mn == 0) {  // one query: its rows see all of [k0, k1)
-    run_decode(it, q, k, v, slots, Lk, qrow0, H, S, G, D, scale, O, m, l);
+    run_decode(it, q, k, v, slots, Lk, qrow0, H, S, G, D, scale, O, m, l, ahead);
     return;
   }
   const int64_t R = it.nq * G;
@@ -1198,6 +1222,17 @@ inline void write_row(const float* o, float inv, int64_t D, c10::BFloat16* out) 
 
 bool available() { return MINISGL_ATTN_ANY; }
 
+// The leading slots two slot rows have in common, within their first n, in whole key blocks:
+// compared 256 slots at a time, then the first unequal span block by block (a slot at a time,
+// 64 decode requests' rows of ~1,100 slots took ~40 us per layer to compare).
+int64_t common_blocks(const int64_t* a, const int64_t* b, int64_t n) {
+  constexpr int64_t kSpan = 16 * KB;
+  int64_t j = 0;
+  while (j + kSpan <= n && std::memcmp(a + j, b + j, kSpan * sizeof(int64_t)) == 0) j += kSpan;
+  while (j + KB <= n && std::memcmp(a + j, b + j, KB * sizeof(int64_t)) == 0) j += KB;
+  return j;
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& slots, const at::Tensor& kv_lens,
                            const at::Tensor& q_start, const at::Tensor& q_lens, double scale,
@@ -1257,13 +1292,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     int64_t whole = 0;  // shared items with each group's keys in one piece
     for (int64_t i = 0, j; i < B; i = j) {
       const int64_t* first = sp + order[i] * Lk;
-      int64_t common = kl[order[i]];
-      for (j = i + 1; j < B && sp[order[j] * Lk] == first[0]; ++j) {
-        const int64_t* row = sp + order[j] * Lk;
-        const int64_t n = std::min(common, kl[order[j]]);
-        common = std::mismatch(first, first + n, row).first - first;
-      }
-      common = common / KB * KB;
+      int64_t common = kl[order[i]] / KB * KB;
+      for (j = i + 1; j < B && sp[order[j] * Lk] == first[0]; ++j)
+        common = common_blocks(first, sp + order[j] * Lk, std::min(common, kl[order[j]]));
       if (j - i < 2 || common < 2 * KB) continue;
       groups.push_back({i, j, common});
       whole += (j - i + QB - 1) / QB * KVH;
@@ -1333,7 +1364,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const Blocks* bp = cached ? &blocks : nullptr;
 #endif
   const int64_t stride = G * (D + 2);  // a part: m[G], l[G], O[G, D] (decode: one query)
-  std::vector<float> part(parts * stride);
+  // (the calling thread's, kept from call to call: every part is written before it is read; a
+  // pointer, as the other threads would see their own thread_local by its name)
+  static thread_local std::vector<float> kept;
+  kept.resize(parts * stride);
+  float* const part = kept.data();
   const auto* qp = q.data_ptr<c10::BFloat16>();
   const auto* kp = k.data_ptr<c10::BFloat16>();
   const auto* vp = v.data_ptr<c10::BFloat16>();
@@ -1363,15 +1398,26 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   } next;
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> O(QB * G * D), m(QB * G), l(QB * G);
-    for (int64_t run; (run = next.v.fetch_add(1)) < n_runs;) {
+    // (a thread claims its next run before it starts one, so that it knows the item after each
+    // of its items: see Ahead)
+    for (int64_t run = next.v.fetch_add(1), after; run < n_runs; run = after) {
+      after = next.v.fetch_add(1);
       for (int64_t i = run > 0 ? run_end[run - 1] : 0; i < run_end[run]; ++i) {
         const Item& it = items[i];
+        Ahead ahead;  // decode items only: a prefill's next item mostly reads blocks in cache
+        const int64_t ni = i + 1 < run_end[run] ? i + 1 : after < n_runs ? run_end[after - 1] : -1;
+        if (ni >= 0 && max_q == 1) {
+          const Item& nx = items[ni];
+          ahead = {reinterpret_cast<const uint16_t*>(kp) + nx.h * S * D,
+                   reinterpret_cast<const uint16_t*>(vp) + nx.h * S * D, sp + nx.b * Lk, nx.k0,
+                   std::min(nx.k1, nx.k0 + 2 * KB), D};
+        }
         const int64_t prefix = kl[it.b] - ql[it.b];
         float* Ob = O.data();
         float* mb = m.data();
         float* lb = l.data();
         if (it.part >= 0 && it.mn == 0) {
-          mb = part.data() + it.part * stride;
+          mb = part + it.part * stride;
           lb = mb + G;
           Ob = lb + G;
         }
@@ -1384,9 +1430,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
         else
 #endif
           run_item(it, qp, kp, vp, sp, Lk, prefix, qs[it.b], members.data(), qs, H, S, G, D,
-                   fscale, window, Ob, mb, lb);
+                   fscale, window, Ob, mb, lb, ahead);
         for (int64_t j = 0; j < it.mn; ++j) {  // a shared item's rows to its members' parts
-          float* dst = part.data() + (it.part + j) * stride;
+          float* dst = part + (it.part + j) * stride;
           std::copy(mb + j * G, mb + (j + 1) * G, dst);
           std::copy(lb + j * G, lb + (j + 1) * G, dst + G);
           std::copy(Ob + j * G * D, Ob + (j + 1) * G * D, dst + 2 * G);
@@ -1400,28 +1446,35 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     }
   });
   if (parts > 0) {  // merge the split-K parts of each (request, kv head); decode only
-    std::vector<std::vector<int64_t>> of(B * KVH);
-    for (const Item& it : items) {
-      if (it.mn > 0) {
-        for (int64_t j = 0; j < it.mn; ++j)
-          of[members[it.m0 + j] * KVH + it.h].push_back(it.part + j);
-      } else if (it.part >= 0) {
-        of[it.b * KVH + it.h].push_back(it.part);
+    // the parts of (request, kv head) bh: of[from[bh] .. from[bh + 1])
+    std::vector<int64_t> from(B * KVH + 1, 0), of(parts);
+    auto each_part = [&](auto fn) {
+      for (const Item& it : items) {
+        if (it.mn > 0) {
+          for (int64_t j = 0; j < it.mn; ++j) fn(members[it.m0 + j] * KVH + it.h, it.part + j);
+        } else if (it.part >= 0) {
+          fn(it.b * KVH + it.h, it.part);
+        }
       }
-    }
+    };
+    each_part([&](int64_t bh, int64_t) { ++from[bh + 1]; });
+    for (int64_t bh = 0; bh < B * KVH; ++bh) from[bh + 1] += from[bh];
+    std::vector<int64_t> fill(from.begin(), from.end() - 1);
+    each_part([&](int64_t bh, int64_t pi) { of[fill[bh]++] = pi; });
     // a few (request, kv head) pairs (batch-1 decode: SmolLM2's 3) merge on this thread: a
     // parallel region costs more than their G x parts x D multiply-adds
     at::parallel_for(0, B * KVH, 8, [&](int64_t begin, int64_t end) {
       std::vector<float> res(D);
       for (int64_t bh = begin; bh < end; ++bh) {
-        if (of[bh].empty()) continue;  // written directly
+        if (from[bh] == from[bh + 1]) continue;  // written directly
         const int64_t b = bh / KVH, h = bh % KVH;
+        const auto mine = std::span(of).subspan(from[bh], from[bh + 1] - from[bh]);
         for (int64_t g = 0; g < G; ++g) {
           float mx = NEG_INF, sum = 0.f;
-          for (int64_t pi : of[bh]) mx = std::max(mx, part[pi * stride + g]);
+          for (int64_t pi : mine) mx = std::max(mx, part[pi * stride + g]);
           std::fill(res.begin(), res.end(), 0.f);
-          for (int64_t pi : of[bh]) {
-            const float* pm = part.data() + pi * stride;
+          for (int64_t pi : mine) {
+            const float* pm = part + pi * stride;
             if (pm[g] == NEG_INF) continue;
             const float w = std::exp(pm[g] - mx);
             sum += w * pm[G + g];
