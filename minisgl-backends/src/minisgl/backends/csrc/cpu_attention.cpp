@@ -445,9 +445,9 @@ inline void vt_rows(const __m512i* vp, int np, int64_t D, uint16_t* out, int byt
 // bytes: u's 16 keys, then u + 1's; zeros for u + 1 = n), so that two neighbouring blocks are
 // one tile per 16 dims, contiguous (each block's V^T is written twice: in a layout with a row
 // of all blocks per dim, 2 KB apart, prefill and extend ran ~5% slower: tiles of rows 2 KB
-// apart, which the hardware's prefetch does not follow). A request's own blocks are consecutive. Items of such batches start
-// at key 0 (no window, no split-K), so the blocks of an item's steps are blocks of its
-// request.
+// apart, which the hardware's prefetch does not follow). A request's own blocks are
+// consecutive. Items of such batches start at key 0 (no window, no split-K), so the blocks of
+// an item's steps are blocks of its request.
 struct Blocks {
   int64_t nb = 0, n = 0;  // blocks per request (row of id), unique blocks
   std::vector<int32_t> id;
