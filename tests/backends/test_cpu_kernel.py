@@ -310,13 +310,15 @@ def test_slots_in_page_runs_match_float64(phase: str, kv_heads: int, group: int,
 
 @pytest.mark.parametrize("phase", ["prefill", "extend", "decode"])
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (1, 8, 32), (2, 2, 128)])
+@pytest.mark.parametrize("growth", [1 / 16, 1 / 2])
 def test_scores_growing_along_the_keys_match_float64(phase: str, kv_heads: int, group: int,
-                                                     head_dim: int) -> None:
-    """Keys that grow along each request (x0.2 at its first position to x20 at the 320th), so
-    that a row's running max passes the one before by many times e again and again, step after
-    step: on AMX tiles a row's reference max moves (and its sum and O are rescaled) only when a
-    score passes it by more than 2^8, which these rows do at many steps, their other scores
-    being far below; rows past a request's prefix start from nothing."""
+                                                     head_dim: int, growth: float) -> None:
+    """Keys that grow along each request (x0.2 at its first position to x20, or x160, at the
+    320th), so that a row's running max passes the one before by many times e again and again,
+    step after step. On AMX tiles a row's p are taken against a reference max, which moves (and
+    its sum and O are rescaled) only when a step's p would overflow or sum past 2^64: the
+    faster growth passes the reference by far more than float32's range (2^128) within a step,
+    which the kernel must see and redo; rows past a request's prefix start from nothing."""
     assert cpu_kernels.load(), cpu_kernels.load_error
     gen = torch.Generator().manual_seed(11)
     if phase == "decode":  # two groups of 8 sharing 320 and 96 keys, then a few of their own
@@ -343,7 +345,7 @@ def test_scores_growing_along_the_keys_match_float64(phase: str, kv_heads: int, 
         slots[b, :n] = row
         pos_of[row] = torch.arange(n, dtype=torch.float64)
     k = torch.randn(kv_heads, pool, head_dim, generator=gen)
-    k = (k * (0.2 + pos_of / 16)[None, :, None]).bfloat16()
+    k = (k * (0.2 + pos_of * growth)[None, :, None]).bfloat16()
     v = torch.randn(kv_heads, pool, head_dim, generator=gen).bfloat16()
     q = torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen).bfloat16()
     out = _assert_matches_float64(q, k, v, slots, kv_lens, q_lens)

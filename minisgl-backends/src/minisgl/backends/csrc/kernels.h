@@ -37,6 +37,15 @@ std::array<char*, N> scratch(std::vector<char>& keep, at::Tensor& big, const siz
   return pieces;
 }
 
+// p, hidden from the optimizer. For the address of a thread_local: in a shared library each use
+// of one by name is a call (__tls_get_addr), and the compiler repeats it at uses in loops rather
+// than keep its result in a register (44 such calls in the prefill's tile kernel).
+template <class T>
+inline T* opaque(T* p) {
+  asm("" : "+r"(p));
+  return p;
+}
+
 // Whether AMX tiles may run here (cpu_linear.cpp): built with them, granted by Linux, and
 // MINISGL_AMX not off. Decided once per process.
 bool amx_usable();
