@@ -70,13 +70,16 @@ def test_fused_decode_gives_the_modules_logits(smollm2_path: str, quantization: 
     # Measured: bf16 61-67 of 72 rows bit-identical, int8 58 (AVX2 and AVX-512 vectors); once
     # a float32 sum taken in another order (the norms' sums of squares, the SiLU's exp) rounds
     # the other way, that request's later rows differ by a few bf16 steps of logits of ~20
-    # (bf16 at most 0.34, int8 0.625; means 0.01-0.2). Where the linears run on AMX tiles the
-    # first such flip came earlier (bf16: 34 rows exact, the first difference at row 16 of 72,
-    # at most 0.625): how many rows stay exact is luck after the first flip, so the check is
-    # the first three steps (9 rows; no flip before row 16 in any run measured), a
-    # floor on the exact rows, and the size of the differences.
+    # (bf16 at most 0.34, int8 0.625; means 0.01-0.2). Where that first flip comes is luck:
+    # on AMX tiles, over prompt seeds 5-11, the first difference came at rows 6, 7, 17, 18 and
+    # 45 of 72, or never (36-62 rows exact), and with the prefill attention's previous exp
+    # polynomial (other prefill values, the same decode code) at rows 10, 27, 42 and 44; on
+    # seeds 7 and 10 a flip met a near tie and the greedy tokens parted (so the ids check holds
+    # for this seed, not for every prompt). Each engine repeats itself bit for bit. So the check
+    # is the first step (3 rows: the prefill, the same path in both engines), a floor on the
+    # exact rows, and the size of the differences.
     exact = sum(bool((d == 0).all()) for d in diffs)
-    assert all(bool((d == 0).all()) for d in diffs[:9]), [d.max().item() for d in diffs[:9]]
+    assert all(bool((d == 0).all()) for d in diffs[:3]), [d.max().item() for d in diffs[:3]]
     assert exact >= 0.4 * len(diffs), [round(d.max().item(), 3) for d in diffs]
     assert max(d.max().item() for d in diffs) <= 1.0
 
