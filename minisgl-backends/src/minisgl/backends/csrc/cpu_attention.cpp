@@ -309,8 +309,7 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     std::vector<int64_t> qoff, lim, low;
   };
   static thread_local Scratch scratch;
-  Scratch& w = *minisgl::opaque(&scratch);
-  auto& [kt, vp, pb, qrow, qoff, lim, low] = w;
+  auto& [kt, vp, pb, qrow, qoff, lim, low] = *minisgl::opaque(&scratch);
   qrow.resize(R);
   qoff.resize(R);
   lim.resize(R);
@@ -631,8 +630,11 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
     }
 #define MINISGL_OLOAD(n) _tile_loadd(n, ot[16 * (z0 + zt)], 64)
 #define MINISGL_OSTORE(n) _tile_stored(n, ot[16 * (z0 + zt)], 64)
-    // S^T of the step's blocks, two at a time, into sc (a key per row)
-    auto scores = [&](const Step& st) __attribute__((always_inline)) {
+    for (const Step& st : w.steps) {
+      const int64_t kb0 = st.kb0;
+      const int nkeys = st.nkeys, npair = (st.nsb + 1) / 2;
+      if (low_min[t] >= kb0 + nkeys || lim_max[t] <= kb0) continue;  // no row sees these keys
+      // S^T of the step's blocks, two at a time, into sc (a key per row)
       for (int sb = 0; sb < st.nsb; sb += 2) {
         const bool two = sb + 1 < st.nsb;
         _tile_zero(4);
@@ -649,38 +651,6 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
         _tile_stored(4, sc[sb * KB], 64);
         if (two) _tile_stored(5, sc[(sb + 1) * KB], 64);
       }
-    };
-    // O^T += V^T P^T, 32 keys per tdpbf16ps, V^T alternating between tiles 6 and 7
-#define MINISGL_PV(n, a)                                 \
-  _tile_loadd(a, st.vt[pp] + 16 * (z0 + zt) * 32, 64); \
-  _tile_dpbf16ps(n, a, 4)
-#define MINISGL_PV_EVEN(n) MINISGL_PV(n, 6)
-#define MINISGL_PV_ODD(n) MINISGL_PV(n, 7)
-    auto accumulate = [&](const Step& st) __attribute__((always_inline)) {
-      const int npair = (st.nsb + 1) / 2;
-      for (int64_t z0 = 0; z0 < Z; z0 += ZT) {
-        const int nz = static_cast<int>(std::min<int64_t>(ZT, Z - z0));
-        if (!resident)
-          for (int zt = 0; zt < nz; ++zt) MINISGL_TILE4(zt, MINISGL_OLOAD)
-        for (int pp = 0; pp < npair; ++pp) {
-          _tile_loadd(4, pt[pp], 64);
-          for (int zt = 0; zt < nz; ++zt) {
-            if (zt % 2) {
-              MINISGL_TILE4(zt, MINISGL_PV_ODD)
-            } else {
-              MINISGL_TILE4(zt, MINISGL_PV_EVEN)
-            }
-          }
-        }
-        if (!resident)
-          for (int zt = 0; zt < nz; ++zt) MINISGL_TILE4(zt, MINISGL_OSTORE)
-      }
-    };
-    for (const Step& st : w.steps) {
-      if (low_min[t] >= st.kb0 + st.nkeys || lim_max[t] <= st.kb0) continue;  // no row sees it
-      scores(st);
-      const int64_t kb0 = st.kb0;
-      const int nkeys = st.nkeys, npair = (st.nsb + 1) / 2;
       // Rows that see all 64 keys of the step (prefill and extend away from the diagonal, a
       // shared prefix's decode queries) need no masks.
       const bool full = nkeys == SB * KB && low_max[t] <= kb0 && lim_min[t] >= kb0 + SB * KB;
@@ -756,7 +726,29 @@ void run_item_amx(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k
                                        mref, _mm512_cmp_ps_mask(mref, ninf, _CMP_EQ_OQ),
                                        _mm512_setzero_ps())));
       }
-      accumulate(st);
+      // O^T += V^T P^T, 32 keys per tdpbf16ps, V^T alternating between tiles 6 and 7
+#define MINISGL_PV(n, a)                                 \
+  _tile_loadd(a, st.vt[pp] + 16 * (z0 + zt) * 32, 64); \
+  _tile_dpbf16ps(n, a, 4)
+#define MINISGL_PV_EVEN(n) MINISGL_PV(n, 6)
+#define MINISGL_PV_ODD(n) MINISGL_PV(n, 7)
+      for (int64_t z0 = 0; z0 < Z; z0 += ZT) {
+        const int nz = static_cast<int>(std::min<int64_t>(ZT, Z - z0));
+        if (!resident)
+          for (int zt = 0; zt < nz; ++zt) MINISGL_TILE4(zt, MINISGL_OLOAD)
+        for (int pp = 0; pp < npair; ++pp) {
+          _tile_loadd(4, pt[pp], 64);
+          for (int zt = 0; zt < nz; ++zt) {
+            if (zt % 2) {
+              MINISGL_TILE4(zt, MINISGL_PV_ODD)
+            } else {
+              MINISGL_TILE4(zt, MINISGL_PV_EVEN)
+            }
+          }
+        }
+        if (!resident)
+          for (int zt = 0; zt < nz; ++zt) MINISGL_TILE4(zt, MINISGL_OSTORE)
+      }
     }
     if (resident) {
       const int64_t z0 = 0;
