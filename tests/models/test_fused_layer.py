@@ -15,7 +15,7 @@ from minisgl.backends import cpu_kernels
 from minisgl.core import LLM
 
 from .conftest import SPEC_BY_NAME, VOCAB, save_tiny
-from .reference import greedy, make_prompts, record_logits
+from .reference import greedy, hf_logits, make_prompts, record_logits
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(),
                                 reason="no CPU attention kernel on this machine")
@@ -48,40 +48,44 @@ def _run(path: str, fused: bool, prompts: list[list[int]], monkeypatch: pytest.M
     return ids, rec, calls[0]
 
 
+def _hf_errors(path: str, rec: list[tuple[list[int], torch.Tensor]]) -> torch.Tensor:
+    """Each recorded row's mean |logit - HF float32's logit| on the ids it conditions on."""
+    whole = [ids for ids, _ in rec]  # each request's longest context covers its shorter ones
+    whole = [w for w in whole if not any(len(o) > len(w) and o[:len(w)] == w for o in whole)]
+    hf = {tuple(w): hf_logits(path, w) for w in map(list, {tuple(w) for w in whole})}
+    errs = []
+    for ids, row in rec:
+        full = next(w for w in hf if list(w[:len(ids)]) == ids)
+        errs.append((row.float() - hf[full][len(ids) - 1]).abs().mean())
+    return torch.stack(errs)
+
+
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_fused_decode_gives_the_modules_logits(smollm2_path: str, quantization: str | None,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """SmolLM2 in bf16, three requests at once (one sharing another's 30-token prefix), every
-    step's logits against the modules', bf16 and int8 weights: both round every
-    intermediate to bf16 at the same points, so they are equal up to the order of float32
-    sums."""
+def test_fused_layers_give_the_modules_logits(smollm2_path: str, quantization: str | None,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2 in bf16 and int8, three requests at once (one sharing another's 30-token
+    prefix), prefill and decode steps through the one-call layer against the modules: every
+    row's logits as close to HF float32's (on the same ids) as the modules' are."""
     prompts = make_prompts([40, 7, 130], 49152, seed=5)
     prompts[1] = prompts[0][:30] + prompts[1]
     runs = {f: _run(smollm2_path, f, prompts, monkeypatch, quantization=quantization)
             for f in (False, True)}
-    (ids0, rec0, calls0), (ids1, rec1, calls1) = runs[False], runs[True]
-    assert calls0 == 0 and calls1 >= 30 * (24 - 1)  # every layer of every decode step
-    assert ids1 == ids0
-    assert len(rec0) == len(rec1)
-    diffs = []
-    for (c0, l0), (c1, l1) in zip(rec0, rec1):
-        assert c0 == c1
-        diffs.append((l1 - l0).abs())
-    # Measured: bf16 61-67 of 72 rows bit-identical, int8 58 (AVX2 and AVX-512 vectors); once
-    # a float32 sum taken in another order (the norms' sums of squares, the SiLU's exp) rounds
-    # the other way, that request's later rows differ by a few bf16 steps of logits of ~20
-    # (bf16 at most 0.34, int8 0.625; means 0.01-0.2). Where that first flip comes is luck:
-    # on AMX tiles, over prompt seeds 5-11, the first difference came at rows 6, 7, 17, 18 and
-    # 45 of 72, or never (36-62 rows exact), and with the prefill attention's previous exp
-    # polynomial (other prefill values, the same decode code) at rows 10, 27, 42 and 44; on
-    # seeds 7 and 10 a flip met a near tie and the greedy tokens parted (so the ids check holds
-    # for this seed, not for every prompt). Each engine repeats itself bit for bit. So the check
-    # is the first step (3 rows: the prefill, the same path in both engines), a floor on the
-    # exact rows, and the size of the differences.
-    exact = sum(bool((d == 0).all()) for d in diffs)
-    assert all(bool((d == 0).all()) for d in diffs[:3]), [d.max().item() for d in diffs[:3]]
-    assert exact >= 0.4 * len(diffs), [round(d.max().item(), 3) for d in diffs]
-    assert max(d.max().item() for d in diffs) <= 1.0
+    (_, rec0, calls0), (_, rec1, calls1) = runs[False], runs[True]
+    assert calls0 == 0 and calls1 >= 30 * 24  # every layer of every step, prefill included
+    assert len(rec1) == len(rec0) == 3 * 24
+    # Both round every intermediate to bf16 at the same points (tests/backends checks the layer
+    # op by op); their float32 sums (the norms' squares, the SiLU's exp) run in other orders, so
+    # a bf16 rounding now and then goes the other way and, from there, that request's logits
+    # differ by a few bf16 steps, and where two tokens nearly tie the greedy ids part (seeds
+    # 5-7: in 1 of 3 bf16 runs and 2 of 3 int8 runs). So each engine is measured
+    # against HF float32 on its own contexts. Measured (seeds 5-7), mean over rows of the mean
+    # |error| per row, modules vs fused: bf16 0.097 / 0.095, 0.092 / 0.106, 0.120 / 0.105;
+    # int8 0.428 / 0.428, 0.211 / 0.196, 0.267 / 0.241; rows at most 0.26-0.50 (bf16) and
+    # 0.49-1.56 (int8), the same in both. A layer computing something else (RoPE at another
+    # position, a missing rounding) lands far outside: see the commit's note.
+    e0, e1 = _hf_errors(smollm2_path, rec0), _hf_errors(smollm2_path, rec1)
+    assert e1.mean() <= 1.3 * e0.mean(), (e0.mean().item(), e1.mean().item())
+    assert e1.max() <= 1.5 * e0.max(), (e0.max().item(), e1.max().item())
 
 
 @pytest.mark.parametrize(("name", "overrides"), [

@@ -15,7 +15,7 @@
   gate-up weight in one call (registered with the linears as their gated form): on AMX tiles
   the gate's and the up half's sums meet in the kernel, so the [M, 2I] output is never
   written; elsewhere the linear, then the product.
-- ``decoder_layer`` (cpu_layer.cpp): a Llama-family decoder layer of a decode step in one call
+- ``decoder_layer`` (cpu_layer.cpp): a Llama-family decoder layer of a step in one call
   (RMSNorm, QKV, RoPE, the K/V store, ``paged_attention``, O, residual, RMSNorm, gate-up, SiLU,
   down), on weights packed by ``bf16_pack`` or ``int8_pack``; the CPU backend uses it through
   ``minisgl.core.layers.register_fused_decoder_layer`` (torch_native.py says where);
@@ -105,7 +105,7 @@ def enabled() -> bool:
 
 
 def fused_layer_enabled() -> bool:
-    """Whether decode steps run ``decoder_layer`` (``MINISGL_FUSED_LAYER``, default on)."""
+    """Whether the steps run ``decoder_layer`` (``MINISGL_FUSED_LAYER``, default on)."""
     return _on("MINISGL_FUSED_LAYER")
 
 

@@ -20,7 +20,7 @@ prompts in one layer).
 Sliding windows (``windows``, per layer): the kernel skips the keys before each query's window;
 the PyTorch path masks them, with one more mask per step and window size.
 
-With the kernels, a decode step's Llama-family decoder layers run as one ``decoder_layer`` call
+With the kernels, every step's Llama-family decoder layers run as one ``decoder_layer`` call
 each (``fused_decoder_layer``, registered with minisgl.core.layers): norms, linears, RoPE, the
 K/V store and this attention in C++ back to back, where the layer's weights are in the bf16 or
 int8 kernel's layout and TP is 1 (Llama, Mistral, Qwen2's biases, Qwen3's q/k norms);
@@ -79,7 +79,6 @@ class KernelArgs:
     kv_lens: torch.Tensor  # [B]
     q_start: torch.Tensor  # [B] first row of its queries in q
     q_lens: torch.Tensor  # [B]
-    decode: bool = False  # one new token per request
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -96,7 +95,7 @@ class TorchNativeBackend(AttentionBackend):
             cpu_kernels.load()
         self.uses_cpu_kernel = device.type == "cpu" and cpu_kernels.supports(
             dtype, num_heads, num_kv_heads, head_dim)
-        # decode steps' decoder layers as one call each (fused_decoder_layer, for this backend)
+        # the decoder layers as one call each (fused_decoder_layer, for this backend's steps)
         self.fused_layers = self.uses_cpu_kernel and cpu_kernels.fused_layer_enabled()
         # PyTorch's path: on a CPU without bf16 instructions (AVX2), PyTorch's bf16 matmuls are
         # slow (a bmm of SmolLM2's batch-1 decode attention took ~90 us, 60 of them 4.6 ms of a
@@ -145,8 +144,7 @@ class TorchNativeBackend(AttentionBackend):
         rows = torch.tensor(layout.rows, dtype=torch.int64, device=table.device)
         q_start = [0, *itertools.accumulate(layout.q_lens)][:-1]  # (small lists: no torch ops)
         args = KernelArgs(table[rows, :lk].contiguous(), torch.tensor(layout.kv_lens),
-                          torch.tensor(q_start), torch.tensor(layout.q_lens),
-                          layout.phase == "decode")
+                          torch.tensor(q_start), torch.tensor(layout.q_lens))
         return TorchNativeMeta(layout.out_loc, kernel=args)
 
     @staticmethod
@@ -232,12 +230,11 @@ def _kernel_weights(linears: tuple[QuantizableLinear, ...]
 def fused_decoder_layer(p: DecoderLayerParts, x: torch.Tensor, residual: torch.Tensor | None,
                         cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The layer as one ``cpu_kernels.decoder_layer`` call in this backend's decode steps, or None
+    """The layer as one ``cpu_kernels.decoder_layer`` call in this backend's steps, or None
     (run the modules) where the call does not compute what they would."""
     backend, meta = ctx.backend, ctx.meta
     if not (isinstance(backend, TorchNativeBackend) and backend.fused_layers
-            and isinstance(meta, TorchNativeMeta) and meta.kernel is not None
-            and meta.kernel.decode):
+            and isinstance(meta, TorchNativeMeta) and meta.kernel is not None):
         return None
     weights = _kernel_weights((p.qkv, p.o, p.gate_up, p.down))
     norms = [n for n in (p.in_norm, p.post_norm, p.q_norm, p.k_norm) if n is not None]

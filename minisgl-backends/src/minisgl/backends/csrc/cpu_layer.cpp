@@ -1,6 +1,7 @@
-// decoder_layer: a whole Llama-family decoder layer of a decode step in one call (weights packed
-// by bf16_pack, or by int8_pack with their scales; the paged KV pool of cpu_attention.cpp), for
-// the CPU backend's decode steps (minisgl/backends/torch_native.py, fused_decoder_layer):
+// decoder_layer: a whole Llama-family decoder layer of a step (prefill, extend, decode or a mix
+// of them) in one call (weights packed by bf16_pack, or by int8_pack with their scales; the
+// paged KV pool of cpu_attention.cpp), for the CPU backend's steps (minisgl/backends/
+// torch_native.py, fused_decoder_layer):
 //
 //   r = x + residual (x alone in the first layer)        h = RMSNorm_in(r)
 //   q, k, v = h @ Wqkv.T (+ bias), RMSNorm per head of q and k (Qwen3's, where given),
@@ -13,7 +14,9 @@
 // wrapper and Inductor's small kernels (~30 lines per layer around 4 linears, the attention and
 // 3 fused kernels) while the memory bus idled; one call per layer leaves the linears and the
 // attention as C++ calls back to back (wrapper 0.89 -> 0.33 ms per step; decode 1.04x at batch
-// 1, 1.06-1.08x at 16 requests, docs/benchmarks.md). Every intermediate is rounded to bf16 where
+// 1, 1.06-1.08x at 16 requests, docs/benchmarks.md). In a prefill, Inductor's norm and RoPE
+// kernels and the Python between them left the other thread waiting ~11% of its time: one call
+// per layer there made a 1,024-token prefill 1.07x faster. Every intermediate is rounded to bf16 where
 // the PyTorch layer rounds it (the residual sum, the normalized rows, each RoPE product and their
 // sum, silu(g), the product with u), so the result is the eager layer's up to the order of
 // float32 sums.
@@ -217,13 +220,19 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
         "k_pool, v_pool: contiguous bf16 [kv_heads, slots, head_dim]");
   check(out_loc.numel() == M && out_loc.scalar_type() == at::kLong && out_loc.is_contiguous(),
         "out_loc: int64 [M]");
-  check(q_lens.numel() == M, "one new token per request (a decode step)");
   const int64_t* loc = out_loc.const_data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) check(loc[m] >= 0 && loc[m] < S, "out_loc outside the pool");
+  // x's rows are the requests' new tokens back to back (paged_attention checks the rest)
+  check(q_start.scalar_type() == at::kLong && q_lens.scalar_type() == at::kLong &&
+            q_start.is_contiguous() && q_lens.is_contiguous() && q_start.numel() == q_lens.numel(),
+        "q_start, q_lens: contiguous int64 [B]");
+  const int64_t* qs = q_start.const_data_ptr<int64_t>();
   const int64_t* ql = q_lens.const_data_ptr<int64_t>();
-  for (int64_t m = 0; m < M; ++m) {
-    check(ql[m] == 1, "one new token per request (a decode step)");
-    check(loc[m] >= 0 && loc[m] < S, "out_loc outside the pool");
-  }
+  int64_t rows = 0;
+  for (int64_t b = 0; b < q_lens.numel(); rows += ql[b++])
+    check(qs[b] == rows && ql[b] >= 1, "requests' rows must follow each other: q_start[b] = "
+                                       "q_start[b - 1] + q_lens[b - 1], from 0, q_lens >= 1");
+  check(rows == M, "the requests' q_lens must add up to x's rows");
 
   check(D % 32 == 0 && D <= 256, "head_dim must be a multiple of 32, at most 256");
   auto vec = [&](const std::optional<at::Tensor>& t, int64_t n) {

@@ -5,9 +5,9 @@ O, the residual add and RMSNorm, gate-up, SiLU-and-mul, down. In a batch-1 CPU d
 Python and dispatch between them (the compiled graph's wrapper, Inductor's small kernels, their
 buffers) took ~1/5 of the step while the memory bus idled (docs/benchmarks.md). A backend may
 register ``fn(parts, x, residual, cos_sin, ctx)``: the layer's ``(output, new residual)``
-computed in one call, or None where it does not apply (a prefill step, another backend's
-metadata, weights in a layout its kernel does not read, tensor parallelism); the model then
-runs its modules. minisgl-backends registers one for its CPU kernels' decode steps
+computed in one call, or None where it does not apply (another backend's metadata, weights in
+a layout its kernel does not read, tensor parallelism); the model then runs its modules.
+minisgl-backends registers one for its CPU kernels' steps, prefill and decode
 (``MINISGL_FUSED_LAYER=off`` keeps the modules).
 """
 
