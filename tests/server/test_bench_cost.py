@@ -44,12 +44,16 @@ class _FixedSpeed:
         return Timing(0.01, 0.01 + self.ms / 1e3 * (n_out - 1), n_out)
 
 
-def test_latency_puts_decode_beside_the_read_measured_around_it(monkeypatch) -> None:
+def test_latency_puts_decode_and_prefill_beside_what_was_measured_around_them(monkeypatch
+                                                                              ) -> None:
     """The ceiling's fraction uses the run's best read; the "beside" fraction uses the reads
     taken right before and after each decode run (here 10 and 30 GB/s: 20 on average), per run,
-    and their median."""
+    and their median. The prefill's uses the higher of the matmuls measured right before and
+    after each prefill run (here 1 and 2 TFLOP/s: 2)."""
     reads = iter([10e9, 30e9] * 100)
     monkeypatch.setattr(bench, "measure_read", lambda probe: next(reads))
+    matmuls = iter([1e12, 2e12] * 100)
+    monkeypatch.setattr(bench, "measure_matmul", lambda ceilings, device: next(matmuls))
     monkeypatch.setattr(bench, "READ_PROBE_BYTES", 1 << 12)  # the probe is never read here
     cost = ModelCost(layer_params=60_000_000, lm_head_params=40_000_000, num_layers=2,
                      attn_width=64, bytes_per_param=2)  # 200 MB per decode step
@@ -62,12 +66,30 @@ def test_latency_puts_decode_beside_the_read_measured_around_it(monkeypatch) -> 
     assert decode["fast"].details["read_bytes_per_s_beside"] == [20e9] * 3
     assert decode["fast"].details["fraction_of_read_beside"] == pytest.approx(10.0 / 8.0)
     assert decode["slow"].details["fraction_of_read_beside"] == pytest.approx(10.0 / 16.0)
+    prefill = next(r for r in rows if r.system == "fast" and r.metric.startswith("prefill"))
+    long_len = 102  # 1,024 tokens at scale 0.1, prefilled in the fixed 10 ms
+    assert prefill.value == pytest.approx(long_len / 0.01)
+    assert prefill.details["matmul_flops_beside"] == [2e12] * 3
+    flops = cost.prefill_flops(0, long_len)
+    assert prefill.fraction_of_ceiling == pytest.approx(flops / 0.01 / 1e12)
+    assert prefill.details["fraction_of_matmul_beside"] == pytest.approx(flops / 0.01 / 2e12)
     lines = bench.beside_lines(rows)
+    pct = f"{flops / 0.01 / 2e12:.0%}"
     assert lines == [
         "latency: fast decode at 125% of the floor at the read measured beside its runs "
         "(20.0 GB/s median)",
         "latency: slow decode at 62% of the floor at the read measured beside its runs "
-        "(20.0 GB/s median)"]
+        "(20.0 GB/s median)",
+        *[f"latency: {name} prefill at {pct} of the matmul peak measured beside its runs (the "
+          "higher of before and after each; 2,000 GFLOP/s median)" for name in ("fast", "slow")]]
+
+
+def test_measure_matmul_reports_a_plausible_rate() -> None:
+    """Both of its dtypes (bf16 where the bf16 matmul was the ceiling, float32 where that one
+    was: a CPU without bf16 instructions) give a plausible FLOP/s."""
+    for ceilings in ({"matmul_flops": 5.0, "matmul_flops_bfloat16": 5.0},
+                     {"matmul_flops": 5.0, "matmul_flops_bfloat16": 1.0}):
+        assert 1e8 < bench.measure_matmul(ceilings, torch.device("cpu"), reps=1) < 1e15
 
 
 def test_measure_read_reports_bytes_per_second() -> None:

@@ -30,7 +30,10 @@ Every result is also put next to a ceiling measured in the same run: a matmul in
 GB/s). The read ceiling is the best of ten passes, and a shared machine's reads swing from minute
 to minute (40-75 GB/s within an hour on the 2-core VM of docs/benchmarks.md), so latency also
 reads memory right before and after each decode run and prints, below the table, each system's
-decode against the floor at that read ("beside"; the table keeps the ceiling's fraction).
+decode against the floor at that read ("beside"; the table keeps the ceiling's fraction). The
+matmul swings too (1.2-2.1 TFLOP/s bf16 within a night on the 2-core AMX VM), so latency also
+multiplies right before and after each 1,024-token prefill and prints its fraction of the higher
+of the two.
 Progress goes to stderr, the table to stdout.
 """
 
@@ -191,6 +194,16 @@ def read_probe(nbytes: int, device: torch.device) -> torch.Tensor:
         probe: torch.Tensor = torch.ops.minisgl_cpu.weight_zeros([nbytes // 4], torch.float32)
         return probe.fill_(1)
     return torch.ones(nbytes // 4, dtype=torch.float32)
+
+
+def measure_matmul(ceilings: dict[str, float], device: torch.device, reps: int = 3) -> float:
+    """Matmul FLOP/s of the moment: the best of ``reps`` 2048 x 2048 products in the dtype whose
+    ceiling ``matmul_flops`` is (``measure_ceilings``), ~30 ms on a 2-core AMX CPU."""
+    dt = (torch.bfloat16 if ceilings["matmul_flops"] == ceilings.get("matmul_flops_bfloat16")
+          else torch.float32)
+    n = 8192 if device.type == "cuda" else 2048
+    a, b = (torch.randn(n, n, dtype=dt, device=device) for _ in range(2))
+    return 2 * n ** 3 / _best_time(lambda: a @ b, reps)
 
 
 def measure_read(probe: torch.Tensor, reps: int = 3) -> float:
@@ -521,7 +534,8 @@ def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, r
     decode_ceiling_ms = cost.decode_bytes() / ceilings["mem_read_bytes_per_s"] * 1e3
     prefill_ceiling = long_len / (cost.prefill_flops(0, long_len) / ceilings["matmul_flops"])
     runs: dict[str, dict[str, list[float]]] = {
-        s.name: {"decode": [], "ttft": [], "prefill": [], "read": []} for s in systems}
+        s.name: {"decode": [], "ttft": [], "prefill": [], "read": [], "matmul": []}
+        for s in systems}
     probe = read_probe(READ_PROBE_BYTES, device)
     for r in range(repeats):  # systems interleaved within each repeat: they share the noise
         rng = random.Random(f"latency/{seed}/{r}")  # fresh prompts per repeat: no cache hits
@@ -532,9 +546,12 @@ def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, r
             before = measure_read(probe)
             t = s.run_single(prompt, n_out)
             after = measure_read(probe)
+            mm_before = measure_matmul(ceilings, device)
             p = s.run_single(long_prompt, 1)
+            mm_after = measure_matmul(ceilings, device)
             got = runs[s.name]
             got["read"].append((before + after) / 2)
+            got["matmul"].append(max(mm_before, mm_after))  # the higher: the stricter fraction
             got["decode"].append(t.decode_ms_per_token)
             got["ttft"].append(t.ttft_s * 1e3)
             got["prefill"].append(long_len / p.ttft_s)
@@ -553,7 +570,11 @@ def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, r
             Row("latency", name, f"TTFT ms ({plen}-tok prompt)", statistics.median(got["ttft"]),
                 False, details={"runs": got["ttft"]}),
             Row("latency", name, f"prefill tok/s ({long_len} tok)", statistics.median(got["prefill"]),
-                True, ceiling=prefill_ceiling, details={"runs": got["prefill"]}),
+                True, ceiling=prefill_ceiling, details={
+                    "runs": got["prefill"], "matmul_flops_beside": got["matmul"],
+                    "fraction_of_matmul_beside": statistics.median(
+                        tok_s * cost.prefill_flops(0, long_len) / long_len / flops
+                        for flops, tok_s in zip(got["matmul"], got["prefill"]))}),
         ]
     return rows
 
@@ -582,11 +603,16 @@ def peer_ratios(rows: Sequence[Row]) -> list[str]:
 
 
 def beside_lines(rows: Sequence[Row]) -> list[str]:
-    """Each system's decode against the floor at the memory read measured beside its runs."""
+    """Each system's decode against the floor at the memory read measured beside its runs, and
+    its prefill against the matmul measured beside its runs (the higher of before and after)."""
     return [f"{r.workload}: {r.system} decode at {r.details['fraction_of_read_beside']:.0%} of "
             f"the floor at the read measured beside its runs "
             f"({statistics.median(r.details['read_bytes_per_s_beside']) / 1e9:.1f} GB/s median)"
-            for r in rows if "fraction_of_read_beside" in r.details]
+            for r in rows if "fraction_of_read_beside" in r.details] + [
+            f"{r.workload}: {r.system} prefill at {r.details['fraction_of_matmul_beside']:.0%} of "
+            f"the matmul peak measured beside its runs (the higher of before and after each; "
+            f"{statistics.median(r.details['matmul_flops_beside']) / 1e9:,.0f} GFLOP/s median)"
+            for r in rows if "fraction_of_matmul_beside" in r.details]
 
 
 def format_table(rows: Sequence[Row]) -> str:
