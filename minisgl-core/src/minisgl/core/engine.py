@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
+import os
+import platform
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +28,27 @@ from minisgl.core.sampling import SampleOutput, Sampler
 from minisgl.core.weights import iter_weights
 
 log = logging.getLogger("minisgl.engine")
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (glibc's malloc.h)
+
+
+def keep_freed_memory() -> bool:
+    """On glibc: allocations under 32 MiB from the heap, and up to 512 MiB of freed heap kept for
+    the next ones (``mallopt``), so that a CPU step's tensors of a few MB reuse memory instead
+    of taking fresh pages from the kernel. With glibc's defaults the heap's top went back to the
+    kernel whenever a few MB were free there, and the next step faulted it in again, page by page:
+    a 4,096-token SmolLM2 prefill took 4,600-56,000 page faults (8-160 ms of kernel time in
+    1.1-1.25 s; alternating runs 1.08-1.25 s), with these settings 0-18 (1.07-1.11 s).
+    Process-wide; the cost is that up to 512 MiB of freed memory stays with the process. True where it applied; ``MINISGL_MALLOC_TUNING=off`` leaves
+    malloc as it is."""
+    if os.environ.get("MINISGL_MALLOC_TUNING", "on").lower() in ("0", "off", "false", "no"):
+        return False
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    mallopt = ctypes.CDLL(None).mallopt  # this process's libc
+    # (the mmap threshold first: setting either one ends glibc's adjusting of both)
+    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 512 << 20))
 
 
 @contextlib.contextmanager
@@ -55,6 +80,8 @@ class Engine:
         self.plugins = pm = plugins or get_plugin_manager()
         self.model_config = mc = ModelConfig.from_pretrained(config.model)
         self.device = config.torch_device
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.device, mc.hf_dtype)
         model_cls = pm.models.get(mc.architecture)
         with torch.device(self.device), _default_dtype(self.dtype):

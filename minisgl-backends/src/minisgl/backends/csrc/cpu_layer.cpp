@@ -250,9 +250,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   const auto opt = x.options();
   // the intermediates in one piece of scratch memory; y and r2 are the outputs
   thread_local std::vector<char> keep;
-  at::Tensor big;
   const size_t row = M * sizeof(bf16);
-  const auto p = minisgl::scratch(keep, big, {row * H, row * H, row * NQKV, row * H, row * I});
+  const auto p = minisgl::scratch(keep, {row * H, row * H, row * NQKV, row * H, row * I});
   auto* r = reinterpret_cast<bf16*>(p[0]);
   auto* h = reinterpret_cast<bf16*>(p[1]);
   auto* qkv = reinterpret_cast<bf16*>(p[2]);

@@ -709,11 +709,10 @@ template <bool kPanel>
 void rows_f32(const Args& a, const float* xf, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
   static constexpr auto kMicro = f32_table<kPanel>(std::make_integer_sequence<int, kF32MR>{});
   thread_local std::vector<char> keep;
-  at::Tensor big;
   float* panel = nullptr;
   if constexpr (kPanel) {
     const size_t panel_bytes = a.K2 * 32 * sizeof(float);  // widen_block's output
-    panel = reinterpret_cast<float*>(minisgl::scratch(keep, big, {panel_bytes})[0]);
+    panel = reinterpret_cast<float*>(minisgl::scratch(keep, {panel_bytes})[0]);
   }
   const int64_t bb = a.K2 * Bf16Format::kLineBytes;
   for (int64_t b = b0; b < b1; ++b) {
@@ -734,8 +733,7 @@ void rows_f32(const Args& a, const float* xf, int64_t m0, int64_t m1, int64_t b0
 void run_f32(const Args& a, int64_t M, int64_t NB) {
   const int64_t K = 2 * a.K2;
   thread_local std::vector<char> keep;
-  at::Tensor big;
-  auto* xf = reinterpret_cast<float*>(minisgl::scratch(keep, big, {M * K * sizeof(float)})[0]);
+  auto* xf = reinterpret_cast<float*>(minisgl::scratch(keep, {M * K * sizeof(float)})[0]);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     const auto* x = reinterpret_cast<const c10::BFloat16*>(a.x);
     for (int64_t i = m0 * K; i < m1 * K; ++i) xf[i] = static_cast<float>(x[i]);
@@ -993,8 +991,7 @@ void amx_rows(const Args& a, const char* lo, int64_t M, int64_t m0, int64_t m1, 
   const char* hi = lo + M * K;  // int8 only
   const int64_t chunk = std::max<int64_t>(kGroup, (size_t(1) << 20) / ld / kGroup * kGroup);
   thread_local std::vector<char> keep;
-  at::Tensor big;
-  const auto s = minisgl::scratch(keep, big, {size_t(2 * kGroup * ld),
+  const auto s = minisgl::scratch(keep, {size_t(2 * kGroup * ld),
                                               size_t(kInt8 ? 2 * bb : 0), size_t(8 * 1024)});
   char* pad = s[0];  // (int8: then the high bytes' pad at pad + kGroup * ld)
   char* panel = s[1];
@@ -1222,14 +1219,13 @@ void int8_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& w
   const int32_t qmax = static_cast<int32_t>(
       std::min<int64_t>(kInt8MaxQ, INT32_MAX / (127 * std::max<int64_t>(K, 1))));
   thread_local std::vector<char> keep;
-  at::Tensor big;
 #if MINISGL_AMX
   const bool amx = amx_applies<Int8Format>(M, K);
 #else
   constexpr bool amx = false;
 #endif
   // x as int16, and on the tiles also as its low and high bytes [M, K] each
-  const auto p = minisgl::scratch(keep, big, {M * K * sizeof(int16_t), M * sizeof(float),
+  const auto p = minisgl::scratch(keep, {M * K * sizeof(int16_t), M * sizeof(float),
                                               amx ? size_t(2 * M * K) : 0});
   int16_t* qp = reinterpret_cast<int16_t*>(p[0]);
   float* sxp = reinterpret_cast<float*>(p[1]);
@@ -1343,9 +1339,8 @@ void gated_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& 
     return;
   }
   thread_local std::vector<char> keep;
-  at::Tensor big;
   auto* gu = reinterpret_cast<c10::BFloat16*>(
-      minisgl::scratch(keep, big, {size_t(M * 2 * I) * sizeof(c10::BFloat16)})[0]);
+      minisgl::scratch(keep, {size_t(M * 2 * I) * sizeof(c10::BFloat16)})[0]);
   linear_into(x, M, K, packed, scales, 2 * I, gu);
   silu_mul_rows(gu, M, I, act);
 }
