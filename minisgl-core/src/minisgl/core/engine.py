@@ -40,15 +40,16 @@ def keep_freed_memory() -> bool:
     kernel whenever a few MB were free there, and the next step faulted it in again, page by page:
     a 4,096-token SmolLM2 prefill took 4,600-56,000 page faults (8-160 ms of kernel time in
     1.1-1.25 s; alternating runs 1.08-1.25 s), with these settings 0-18 (1.07-1.11 s).
-    Process-wide; the cost is that up to 512 MiB of freed memory stays with the process. True where it applied; ``MINISGL_MALLOC_TUNING=off`` leaves
-    malloc as it is."""
+    Process-wide; the cost is that up to 512 MiB of freed memory stays with the process. True
+    where it applied; ``MINISGL_MALLOC_TUNING=off`` leaves malloc as it is."""
     if os.environ.get("MINISGL_MALLOC_TUNING", "on").lower() in ("0", "off", "false", "no"):
         return False
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
         return False
     mallopt = ctypes.CDLL(None).mallopt  # this process's libc
     # (the mmap threshold first: setting either one ends glibc's adjusting of both)
-    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 512 << 20))
+    return (bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20))
+            and bool(mallopt(_M_TRIM_THRESHOLD, 512 << 20)))
 
 
 @contextlib.contextmanager

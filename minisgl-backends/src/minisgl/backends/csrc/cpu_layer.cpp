@@ -16,9 +16,9 @@
 // attention as C++ calls back to back (wrapper 0.89 -> 0.33 ms per step; decode 1.04x at batch
 // 1, 1.06-1.08x at 16 requests, docs/benchmarks.md). In a prefill, Inductor's norm and RoPE
 // kernels and the Python between them left the other thread waiting ~11% of its time: one call
-// per layer there made a 1,024-token prefill 1.07x faster. Every intermediate is rounded to bf16 where
-// the PyTorch layer rounds it (the residual sum, the normalized rows, each RoPE product and their
-// sum, silu(g), the product with u), so the result is the eager layer's up to the order of
+// per layer there made a 1,024-token prefill 1.07x faster. Every intermediate is rounded to bf16
+// where the PyTorch layer rounds it (the residual sum, the normalized rows, each RoPE product and
+// their sum, silu(g), the product with u), so the result is the eager layer's up to the order of
 // float32 sums.
 
 #include <ATen/Parallel.h>
