@@ -147,8 +147,9 @@ def _best_time(fn: Callable[[], object], reps: int) -> float:
     return min(_times(fn, reps))
 
 
-def _matmul_flops(dtype: torch.dtype, device: torch.device, n: int = 2048) -> float:
-    """Best of ten n x n matmuls, in FLOP/s; where a 512 x 512 one is slow (bf16 on a CPU
+def _matmul_flops(dtype: torch.dtype, device: torch.device, n: int = 2048, reps: int = 10
+                  ) -> float:
+    """Best of ``reps`` n x n matmuls, in FLOP/s; where a 512 x 512 one is slow (bf16 on a CPU
     without bf16 instructions: ~1 GFLOP/s per thread, a minute per 2048 product) that one.
     GPUs multiply 8192 x 8192 (a 2048 product is over before the GPU is busy)."""
     if device.type == "cuda":
@@ -158,7 +159,7 @@ def _matmul_flops(dtype: torch.dtype, device: torch.device, n: int = 2048) -> fl
     if t * (n / 512) ** 3 > 2.0:
         return 2 * 512 ** 3 / t
     a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
-    return 2 * n ** 3 / _best_time(lambda: a @ b, 10)
+    return 2 * n ** 3 / _best_time(lambda: a @ b, reps)
 
 
 def measure_ceilings(dtype: torch.dtype, device: torch.device) -> dict[str, float]:
@@ -197,13 +198,11 @@ def read_probe(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 def measure_matmul(ceilings: dict[str, float], device: torch.device, reps: int = 3) -> float:
-    """Matmul FLOP/s of the moment: the best of ``reps`` 2048 x 2048 products in the dtype whose
+    """Matmul FLOP/s of the moment: ``_matmul_flops`` with ``reps`` products in the dtype whose
     ceiling ``matmul_flops`` is (``measure_ceilings``), ~30 ms on a 2-core AMX CPU."""
     dt = (torch.bfloat16 if ceilings["matmul_flops"] == ceilings.get("matmul_flops_bfloat16")
           else torch.float32)
-    n = 8192 if device.type == "cuda" else 2048
-    a, b = (torch.randn(n, n, dtype=dt, device=device) for _ in range(2))
-    return 2 * n ** 3 / _best_time(lambda: a @ b, reps)
+    return _matmul_flops(dt, device, reps=reps)
 
 
 def measure_read(probe: torch.Tensor, reps: int = 3) -> float:
