@@ -293,23 +293,129 @@ inline void online_update(float& m, float& l, float mx, float sum, float* o, int
       _mm512_storeu_ps(o + z, _mm512_mul_ps(_mm512_loadu_ps(o + z), _mm512_set1_ps(corr)));
 }
 
+// Rows of an item in groups of 16 take lane_softmax and lane_pv; a last group of fewer than
+// this many rows (a decode item's G rows, say) takes the per-row steps, whose cost grows with its
+// rows rather than with the block's keys. Against the per-row steps for every row (AMD Zen 4, one
+// thread, SmolLM2's heads, alternating processes): a 1,024-token prefill's attention 11.0 -> 9.0
+// ms, 16 extends of 64 tokens on 1,088 keys 22.0 -> 18.8 ms (docs/benchmarks.md).
+constexpr int kLaneRows = 8;
+constexpr float kLaneLazy = 8.f;  // see lane_softmax
+
+// The online-softmax step of 16 rows against one key block with the rows in lanes: st[j] lane
+// rr is row rr's score for key kb + j (qk_lanes' result transposed), so the running max, the
+// sum and the rescale factor take one vector op per key instead of a horizontal reduction, a
+// scalar exp and a branch per row (rows seeing keys [low, lim), lanes outside `act` none). P
+// goes to pt in key pairs, pt[jp] lane rr = (p of keys 2jp and 2jp + 1) in bf16, the operand of
+// lane_pv; where a row's reference max moves (below), its lane of OT (O transposed, D vectors)
+// is rescaled.
+inline void lane_softmax(__m512* st, int nk, int64_t kb, const int32_t* low, const int32_t* lim,
+                         bool all_see, __mmask16 act, float scale, float* m, float* l, float* OT,
+                         int64_t D, __m512i* pt) {
+  const __m512 neg_inf = _mm512_set1_ps(NEG_INF);
+  const __m512i lowv = _mm512_loadu_si512(low), limv = _mm512_loadu_si512(lim);
+  const __m512 old = _mm512_mask_loadu_ps(neg_inf, act, m);
+  __mmask16 vis[KB];
+  __m512 mx = old;
+  for (int j = 0; j < nk; ++j) {
+    const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(kb + j));
+    vis[j] = all_see ? act
+                     : _mm512_mask_cmpgt_epi32_mask(_mm512_cmpge_epi32_mask(key, lowv), limv, key);
+    st[j] = _mm512_mask_mul_ps(neg_inf, vis[j], st[j], _mm512_set1_ps(scale));
+    mx = _mm512_max_ps(mx, st[j]);
+  }
+  // The reference each row's p are taken against (m) moves to the row's max only where that
+  // passes it by more than kLaneLazy (p up to e^8: exact enough in bf16, and a float32 sum of
+  // them cannot overflow), or on the row's first keys; only there are l and OT rescaled. Rows
+  // that have seen no key keep -inf, and 0 is subtracted there (their p are masked to 0).
+  const __mmask16 first = act & _mm512_cmp_ps_mask(old, neg_inf, _CMP_EQ_OQ);
+  const __mmask16 up = _mm512_mask_cmp_ps_mask(
+      act & ~first, mx, _mm512_add_ps(old, _mm512_set1_ps(kLaneLazy)), _CMP_GT_OQ);
+  const __mmask16 seen = (first & _mm512_cmp_ps_mask(mx, neg_inf, _CMP_NEQ_OQ)) | (act & ~first);
+  const __m512 ref = _mm512_mask_mov_ps(old, up | first, mx);
+  const __m512 base = _mm512_maskz_mov_ps(seen, ref);
+  __m512 sum = _mm512_setzero_ps();
+  for (int j = 0; j < nk; ++j) {  // p rounded to bf16 as P V takes them, and summed so
+    st[j] = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(
+        _mm512_maskz_mov_ps(vis[j], exp16(_mm512_sub_ps(st[j], base)))));
+    sum = _mm512_add_ps(sum, st[j]);
+  }
+  for (int j = nk; j < KB; ++j) st[j] = _mm512_setzero_ps();
+  _mm512_mask_storeu_ps(m, act, ref);
+  if (up) {  // exp(old - ref) where the reference moved (l and OT are 0 on a row's first keys)
+    const __m512 corr = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), up,
+                                           exp16(_mm512_sub_ps(old, base)));
+    _mm512_mask_storeu_ps(l, act, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(act, l), corr, sum));
+    for (int64_t i = 0; i < D; ++i)
+      _mm512_storeu_ps(OT + i * 16, _mm512_mul_ps(_mm512_loadu_ps(OT + i * 16), corr));
+  } else {
+    _mm512_mask_storeu_ps(l, act, _mm512_add_ps(_mm512_maskz_loadu_ps(act, l), sum));
+  }
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  for (int jp = 0; jp < KB / 2; ++jp)
+    pt[jp] = _mm512_permutexvar_epi16(
+        pairs, (__m512i)_mm512_cvtne2ps_pbh(st[2 * jp + 1], st[2 * jp]));
+}
+
+// OT += (P V)^T for 16 rows in lanes: OT[i] (dim i in vp's order) gets pt[jp] times key pair
+// jp's dim i, broadcast. 16 dims at a time, so 16 independent accumulators take each pair's
+// eight steps (the per-row product chains 8 steps through two accumulators per 16 dims).
+inline void lane_pv(const __m512i* pt, const __m512i* vp, int64_t D, float* OT) {
+  const int64_t Z = D / 16;
+  __m512bh p[KB / 2];
+  for (int jp = 0; jp < KB / 2; ++jp) p[jp] = (__m512bh)pt[jp];
+  for (int64_t z = 0; z < Z; ++z) {
+    __m512 acc[16];
+    float* ot = OT + z * 256;
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_loadu_ps(ot + i * 16);
+    for (int jp = 0; jp < KB / 2; ++jp) {
+      const int32_t* w = reinterpret_cast<const int32_t*>(vp + jp * Z + z);
+      for (int i = 0; i < 16; ++i)
+        acc[i] = _mm512_dpbf16_ps(acc[i], p[jp], (__m512bh)_mm512_set1_epi32(w[i]));
+    }
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(ot + i * 16, acc[i]);
+  }
+}
+
+// qk_rows for a lane group: its 16 rows' queries transposed, qt[p * 16 + rr] = row rr's dims
+// (2p, 2p + 1) (zeros for padding rows), so every broadcast is one base pointer and a constant
+// offset (from 16 row pointers, GCC kept most of them in vector registers and moved one back
+// before each broadcast).
+inline void qk_lanes(const int32_t* qt, const __m512i* kt, int64_t P, __m512* out) {
+  __m512 acc[16];
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p, qt += 16) {
+    const __m512bh k = (__m512bh)kt[p];
+    for (int r = 0; r < 16; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], k, (__m512bh)_mm512_set1_epi32(qt[r]));
+  }
+  for (int r = 0; r < 16; ++r) out[r] = acc[r];
+}
+
 // One work item. O is float32 [R, D] in the "pair" order of the PV product: within each 32 dims,
 // the first 16 floats are dims {8l + i : l < 4, i < 4} and the next 16 dims {8l + 4 + i}.
+// `lanes`: O has room for R rounded up to 16 rows (not a decode request's split-K part).
 void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
               const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
               int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
               int64_t S, int64_t G, int64_t D, float scale, int64_t window, float* O, float* m,
-              float* l, Ahead& ahead) {
+              float* l, Ahead& ahead, bool lanes) {
   const int64_t R = it.nq * G, P = D / 2, Z = D / 16;
+  constexpr int MR = QB * 8;  // rows of an item at most
   struct Scratch {
     alignas(64) __m512i kt[MAXD / 2];
     alignas(64) __m512i vp[KB / 2 * MAXD / 16];
-    alignas(64) uint16_t pb[QB * 8][KB];  // P of each row, bf16
+    alignas(64) uint16_t pb[MR][KB];  // P of each per-row row, bf16
+    alignas(64) __m512i pt[KB / 2];    // P of a row group (lane_softmax)
+    alignas(64) int32_t low32[MR], lim32[MR];
+    alignas(64) int32_t qt[MR / 16][MAXD / 2][16];  // lane groups' queries (qk_lanes)
     std::vector<const int32_t*> qrow;
     std::vector<int64_t> qoff, lim, low;
   };
   static thread_local Scratch scratch;
-  auto& [kt, vp, pb, qrow, qoff, lim, low] = *minisgl::opaque(&scratch);
+  auto& [kt, vp, pb, pt, low32, lim32, qt, qrow, qoff, lim, low] =
+      *minisgl::opaque(&scratch);
   qrow.resize(R);
   qoff.resize(R);
   lim.resize(R);
@@ -317,7 +423,24 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
   item_rows(it, prefix, qrow0, members, q_start, H, G, D, window, qoff.data(), lim.data(),
             low.data(), m, l);
   for (int64_t r = 0; r < R; ++r) qrow[r] = reinterpret_cast<const int32_t*>(q + qoff[r]);
-  std::fill(O, O + R * D, 0.f);
+  // rows [0, RL) in lane groups, OT of group g at O + 16 g D (OT[i] at + 16 i); the rest per row
+  const int64_t RL = !lanes ? 0 : R % 16 == 0 || R % 16 >= kLaneRows ? R : R / 16 * 16;
+  int64_t see_from[MR / 16], see_to[MR / 16];  // keys every row of a lane group sees
+  for (int64_t g = 0; g * 16 < RL; ++g) {
+    see_from[g] = 0;
+    see_to[g] = std::numeric_limits<int64_t>::max();
+    for (int64_t r = 16 * g; r < 16 * g + 16; ++r) {
+      const bool real = r < R;
+      low32[r] = real ? static_cast<int32_t>(low[r]) : 0;
+      lim32[r] = real ? static_cast<int32_t>(lim[r]) : 0;  // a padding lane sees no key
+      if (real) {
+        see_from[g] = std::max(see_from[g], low[r]);
+        see_to[g] = std::min(see_to[g], lim[r]);
+      }
+      for (int64_t p = 0; p < P; ++p) qt[g][p][r - 16 * g] = real ? qrow[r][p] : 0;
+    }
+  }
+  std::fill(O, O + std::max(R, (RL + 15) / 16 * 16) * D, 0.f);
   const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * D;
   const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * D;
   const int64_t* srow = slots + it.b * Lk;
@@ -330,6 +453,16 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     for (int64_t r0 = 0; r0 < R; r0 += 16) {
       const int nr = static_cast<int>(std::min<int64_t>(16, R - r0));
       __m512 s[16];
+      if (r0 < RL) {
+        const int64_t g = r0 / 16;
+        qk_lanes(&qt[g][0][0], kt, P, s);
+        transpose16(reinterpret_cast<__m512i*>(s));
+        lane_softmax(s, nk, kb, low32 + r0, lim32 + r0, see_from[g] <= kb && see_to[g] >= kb + nk,
+                     static_cast<__mmask16>((1u << nr) - 1), scale, m + r0, l + r0, O + r0 * D,
+                     D, pt);
+        lane_pv(pt, vp, D, O + r0 * D);
+        continue;
+      }
       qk_dispatch(nr, qrow.data() + r0, kt, P, s);
       for (int rr = 0; rr < nr; ++rr) {
         const int64_t r = r0 + rr;
@@ -347,12 +480,12 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(p));
       }
     }
-    // O += P V, one 16-dim slice at a time with its 8 key-pair vectors in registers (two chains
-    // per row, as in qk_rows).
-    for (int64_t z = 0; z < Z; ++z) {
+    // O += P V for the per-row rows, one 16-dim slice at a time with its 8 key-pair vectors in
+    // registers (two chains per row, as in qk_rows).
+    for (int64_t z = 0; z < Z && RL < R; ++z) {
       __m512bh w[KB / 2];
       for (int jp = 0; jp < KB / 2; ++jp) w[jp] = (__m512bh)vp[jp * Z + z];
-      for (int64_t r = 0; r < R; ++r) {
+      for (int64_t r = RL; r < R; ++r) {
         const int32_t* pr = reinterpret_cast<const int32_t*>(pb[r]);
         __m512 o = _mm512_loadu_ps(O + r * D + z * 16), o2 = _mm512_setzero_ps();
         for (int jp = 0; jp < KB / 2; jp += 2) {
@@ -361,6 +494,20 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
         }
         _mm512_storeu_ps(O + r * D + z * 16, _mm512_add_ps(o, o2));
       }
+    }
+  }
+  // The lane groups' OT back to rows of O, 16 dims at a time (through a copy: in place, rows
+  // would overwrite OT not yet read).
+  __m512 t[16];
+  static thread_local std::vector<float> copy;
+  for (int64_t r0 = 0; r0 < RL; r0 += 16) {
+    const int64_t nr = std::min<int64_t>(16, R - r0);
+    float* OT = O + r0 * D;
+    copy.assign(OT, OT + 16 * D);
+    for (int64_t z = 0; z < Z; ++z) {
+      for (int i = 0; i < 16; ++i) t[i] = _mm512_loadu_ps(copy.data() + (z * 16 + i) * 16);
+      transpose16(reinterpret_cast<__m512i*>(t));
+      for (int64_t rr = 0; rr < nr; ++rr) _mm512_storeu_ps(OT + rr * D + z * 16, t[rr]);
     }
   }
 }
@@ -1123,7 +1270,7 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
               const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
               int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
               int64_t S, int64_t G, int64_t D, float scale, int64_t window, float* O, float* m,
-              float* l, Ahead& ahead) {
+              float* l, Ahead& ahead, bool /*lanes: the AVX-512 build's*/) {
   if (it.nq == 1 && it.mn == 0) {  // one query: its rows see all of [k0, k1)
     run_decode(it, q, k, v, slots, Lk, qrow0, H, S, G, D, scale, O, m, l, ahead);
     return;
@@ -1460,7 +1607,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
         else
 #endif
           run_item(it, qp, kp, vp, sp, Lk, prefix, qs[it.b], members.data(), qs, H, S, G, D,
-                   fscale, window, Ob, mb, lb, ahead);
+                   fscale, window, Ob, mb, lb, ahead, it.part < 0 || it.mn > 0);
         for (int64_t j = 0; j < it.mn; ++j) {  // a shared item's rows to its members' parts
           float* dst = part + (it.part + j) * stride;
           std::copy(mb + j * G, mb + (j + 1) * G, dst);
