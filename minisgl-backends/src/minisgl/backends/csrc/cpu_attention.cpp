@@ -256,19 +256,24 @@ inline void pair_rows(const uint16_t* const* vrow, int64_t D, __m512i* vp) {
   }
 }
 
-// The block of keys kb .. kb + 15 (fewer at k1) loaded for both products: K transposed, kt[p]
-// lane j = dims (2p, 2p+1) of key j; V in key pairs (pair_rows); keys past the block's end as
-// zeros. Returns its keys.
+// The block of keys kb .. kb + 15 (fewer at k1) loaded for the products: K transposed (when kt
+// is given; the per-row steps' operand), kt[p] lane j = dims (2p, 2p+1) of key j; V in key pairs
+// (pair_rows); keys past the block's end as zeros. krow: the block's K rows (a row of zeros past
+// its end). Returns its keys.
 inline int load_block(const uint16_t* kh, const uint16_t* vh, const int64_t* srow, int64_t kb,
-                      int64_t k1, int64_t D, __m512i* kt, __m512i* vp) {
+                      int64_t k1, int64_t D, __m512i* kt, __m512i* vp,
+                      const uint16_t** krow = nullptr) {
+  static const uint16_t zeros[MAXD] = {};
   const int nk = static_cast<int>(std::min<int64_t>(KB, k1 - kb));
   const __m512i zero = _mm512_setzero_si512();
-  const uint16_t* krow[KB];
+  const uint16_t* kr[KB];
   const uint16_t* vrow[KB];
-  block_rows(kh, vh, srow, kb, nk, k1, D, krow, vrow);
-  for (int64_t c = 0; c < D / 32; ++c) {
+  block_rows(kh, vh, srow, kb, nk, k1, D, kr, vrow);
+  if (krow != nullptr)
+    for (int j = 0; j < KB; ++j) krow[j] = kr[j] ? kr[j] : zeros;
+  for (int64_t c = 0; kt != nullptr && c < D / 32; ++c) {
     __m512i* t = kt + c * 16;
-    for (int j = 0; j < KB; ++j) t[j] = krow[j] ? _mm512_loadu_si512(krow[j] + c * 32) : zero;
+    for (int j = 0; j < KB; ++j) t[j] = kr[j] ? _mm512_loadu_si512(kr[j] + c * 32) : zero;
     transpose16(t);
   }
   pair_rows(vrow, D, vp);
@@ -293,16 +298,18 @@ inline void online_update(float& m, float& l, float mx, float sum, float* o, int
       _mm512_storeu_ps(o + z, _mm512_mul_ps(_mm512_loadu_ps(o + z), _mm512_set1_ps(corr)));
 }
 
-// Rows of an item in groups of 16 take lane_softmax and lane_pv; a last group of fewer than
-// this many rows (a decode item's G rows, say) takes the per-row steps, whose cost grows with its
-// rows rather than with the block's keys. Against the per-row steps for every row (AMD Zen 4, one
-// thread, SmolLM2's heads, alternating processes): a 1,024-token prefill's attention 11.0 -> 9.0
-// ms, 16 extends of 64 tokens on 1,088 keys 22.0 -> 18.8 ms (docs/benchmarks.md).
-constexpr int kLaneRows = 8;
+// Rows of an item in groups of 16 take qk_lanes, lane_softmax and lane_pv; a last group of
+// fewer than this many rows (a decode item's G rows, or 8 of a shared prefix's 24) takes the
+// per-row steps, whose cost grows with its rows rather than with the block's 16 lanes. Against
+// the per-row steps for every row (AMD Zen 4, one thread, SmolLM2's heads, alternating
+// processes): a 1,024-token prefill's attention 11.0 -> 8.4-8.8 ms, 16 extends of 64 tokens on
+// 1,088 keys 22.0 -> 17.9-18.1 ms; 64 decode queries in 8 groups on a shared 1,024-token prefix
+// 1.82-2.03 ms with a last group of 8 in lanes, 1.69-1.71 per row (docs/benchmarks.md).
+constexpr int kLaneRows = 9;
 constexpr float kLaneLazy = 8.f;  // see lane_softmax
 
 // The online-softmax step of 16 rows against one key block with the rows in lanes: st[j] lane
-// rr is row rr's score for key kb + j (qk_lanes' result transposed), so the running max, the
+// rr is row rr's score for key kb + j (qk_lanes' result), so the running max, the
 // sum and the rescale factor take one vector op per key instead of a horizontal reduction, a
 // scalar exp and a branch per row (rows seeing keys [low, lim), lanes outside `act` none). P
 // goes to pt in key pairs, pt[jp] lane rr = (p of keys 2jp and 2jp + 1) in bf16, the operand of
@@ -378,19 +385,26 @@ inline void lane_pv(const __m512i* pt, const __m512i* vp, int64_t D, float* OT) 
   }
 }
 
-// qk_rows for a lane group: its 16 rows' queries transposed, qt[p * 16 + rr] = row rr's dims
-// (2p, 2p + 1) (zeros for padding rows), so every broadcast is one base pointer and a constant
-// offset (from 16 row pointers, GCC kept most of them in vector registers and moved one back
-// before each broadcast).
-inline void qk_lanes(const int32_t* qt, const __m512i* kt, int64_t P, __m512* out) {
-  __m512 acc[16];
-  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < P; ++p, qt += 16) {
-    const __m512bh k = (__m512bh)kt[p];
-    for (int r = 0; r < 16; ++r)
-      acc[r] = _mm512_dpbf16_ps(acc[r], k, (__m512bh)_mm512_set1_epi32(qt[r]));
+// The scores of a lane group against one key block, rows in lanes: out[j] lane rr = q_rr . k_j,
+// from the group's queries transposed (qt[p] lane rr = row rr's dims (2p, 2p + 1), zeros for
+// padding rows) and the block's K rows as they lie in the pool, a pair of dims broadcast at a
+// time, 8 keys at once (8 independent sums). No transpose of K nor of the scores.
+inline void qk_lanes(const __m512i* qt, const uint16_t* const* krow, int nk, int64_t P,
+                     __m512* out) {
+  for (int j0 = 0; j0 < KB; j0 += 8) {
+    __m512 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+    if (j0 < nk) {
+      const int32_t* kr[8];
+      for (int i = 0; i < 8; ++i) kr[i] = reinterpret_cast<const int32_t*>(krow[j0 + i]);
+      for (int64_t p = 0; p < P; ++p) {
+        const __m512bh qv = (__m512bh)qt[p];
+        for (int i = 0; i < 8; ++i)
+          acc[i] = _mm512_dpbf16_ps(acc[i], qv, (__m512bh)_mm512_set1_epi32(kr[i][p]));
+      }
+    }
+    for (int i = 0; i < 8; ++i) out[j0 + i] = acc[i];
   }
-  for (int r = 0; r < 16; ++r) out[r] = acc[r];
 }
 
 // One work item. O is float32 [R, D] in the "pair" order of the PV product: within each 32 dims,
@@ -447,7 +461,8 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
   const int64_t blocks = std::max<int64_t>(1, (it.k1 - it.k0 + KB - 1) / KB);  // (0 keys: none)
   const int64_t per = (ahead.k1 - ahead.j + blocks - 1) / blocks;
   for (int64_t kb = it.k0; kb < it.k1; kb += KB) {
-    const int nk = load_block(kh, vh, srow, kb, it.k1, D, kt, vp);
+    const uint16_t* krow[KB];
+    const int nk = load_block(kh, vh, srow, kb, it.k1, D, RL < R ? kt : nullptr, vp, krow);
     ahead.keys(per);
     // Scores and online softmax, 16 rows at a time.
     for (int64_t r0 = 0; r0 < R; r0 += 16) {
@@ -455,8 +470,7 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
       __m512 s[16];
       if (r0 < RL) {
         const int64_t g = r0 / 16;
-        qk_lanes(&qt[g][0][0], kt, P, s);
-        transpose16(reinterpret_cast<__m512i*>(s));
+        qk_lanes(reinterpret_cast<const __m512i*>(qt[g]), krow, nk, P, s);
         lane_softmax(s, nk, kb, low32 + r0, lim32 + r0, see_from[g] <= kb && see_to[g] >= kb + nk,
                      static_cast<__mmask16>((1u << nr) - 1), scale, m + r0, l + r0, O + r0 * D,
                      D, pt);
