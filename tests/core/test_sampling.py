@@ -17,6 +17,7 @@ from minisgl.core.sampling import (
     apply_penalties,
     filter_probs,
     row_argmax,
+    sample_from_probs,
     token_counts,
 )
 from minisgl.core.sampling_params import SamplingParams
@@ -422,6 +423,33 @@ def test_empirical_distribution_with_temperature_and_top_k() -> None:
     mass = sum(p[i] for i in top)
     expect = [p[i] / mass if i in top else 0.0 for i in range(8)]
     _assert_frequencies(sampler(8).sample(logits, reqs).tokens.tolist(), expect)
+
+
+@pytest.mark.parametrize("cols", [640, 1000])  # in 64-wide blocks; in one piece
+def test_sample_from_probs_frequencies_and_zeros(cols: int) -> None:
+    """Draws against the exact probabilities (mass spread over blocks, whole blocks and single
+    tokens at 0, a block's first and last token carrying mass); a token of probability 0 is
+    never drawn."""
+    n = 20_000
+    weights = [0.0] * cols
+    for tok, w in [(0, 1.0), (63, 2.0), (64, 0.5), (200, 3.0), (201, 1.0), (cols - 1, 1.5),
+                   (cols // 2, 0.25)]:
+        weights[tok] = w
+    total = sum(weights)
+    expect = [w / total for w in weights]
+    probs = torch.tensor(expect, dtype=torch.float32).expand(n, cols).contiguous()
+    gen = torch.Generator().manual_seed(21)
+    tokens = sample_from_probs(probs, [gen] * n).tolist()
+    assert all(weights[t] > 0 for t in tokens)
+    _assert_frequencies(tokens, expect)
+
+
+def test_sample_from_probs_row_draw_uses_only_its_generator() -> None:
+    """Row i's token depends on generators[i] and its own row alone."""
+    probs = torch.softmax(torch.randn(3, 256, generator=torch.Generator().manual_seed(3)), -1)
+    alone = sample_from_probs(probs[1:2], [torch.Generator().manual_seed(5)])
+    gens = [torch.Generator().manual_seed(s) for s in (1, 5, 9)]
+    assert int(sample_from_probs(probs, gens)[1]) == int(alone[0])
 
 
 def test_logprobs_are_raw_log_softmax_at_chosen_token() -> None:
