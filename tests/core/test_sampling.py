@@ -425,11 +425,10 @@ def test_empirical_distribution_with_temperature_and_top_k() -> None:
     _assert_frequencies(sampler(8).sample(logits, reqs).tokens.tolist(), expect)
 
 
-@pytest.mark.parametrize("cols", [640, 1000])  # in 64-wide blocks; in one piece
+@pytest.mark.parametrize("cols", [640, 1000])  # row_argmax in 256-wide blocks; in one piece
 def test_sample_from_probs_frequencies_and_zeros(cols: int) -> None:
-    """Draws against the exact probabilities (mass spread over blocks, whole blocks and single
-    tokens at 0, a block's first and last token carrying mass); a token of probability 0 is
-    never drawn."""
+    """Draws against the exact probabilities (mass spread along the row, long runs of tokens at
+    0, the first and last token carrying mass); a token of probability 0 is never drawn."""
     n = 20_000
     weights = [0.0] * cols
     for tok, w in [(0, 1.0), (63, 2.0), (64, 0.5), (200, 3.0), (201, 1.0), (cols - 1, 1.5),
