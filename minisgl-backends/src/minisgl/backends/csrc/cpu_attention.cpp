@@ -424,11 +424,12 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     alignas(64) __m512i pt[KB / 2];    // P of a row group (lane_softmax)
     alignas(64) int32_t low32[MR], lim32[MR];
     alignas(64) int32_t qt[MR / 16][MAXD / 2][16];  // lane groups' queries (qk_lanes)
+    alignas(64) float ot[MAXD * 16];                 // a lane group's OT, copied at the end
     std::vector<const int32_t*> qrow;
     std::vector<int64_t> qoff, lim, low;
   };
   static thread_local Scratch scratch;
-  auto& [kt, vp, pb, pt, low32, lim32, qt, qrow, qoff, lim, low] =
+  auto& [kt, vp, pb, pt, low32, lim32, qt, ot, qrow, qoff, lim, low] =
       *minisgl::opaque(&scratch);
   qrow.resize(R);
   qoff.resize(R);
@@ -513,13 +514,12 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
   // The lane groups' OT back to rows of O, 16 dims at a time (through a copy: in place, rows
   // would overwrite OT not yet read).
   __m512 t[16];
-  static thread_local std::vector<float> copy;
   for (int64_t r0 = 0; r0 < RL; r0 += 16) {
     const int64_t nr = std::min<int64_t>(16, R - r0);
     float* OT = O + r0 * D;
-    copy.assign(OT, OT + 16 * D);
+    std::copy(OT, OT + 16 * D, ot);
     for (int64_t z = 0; z < Z; ++z) {
-      for (int i = 0; i < 16; ++i) t[i] = _mm512_loadu_ps(copy.data() + (z * 16 + i) * 16);
+      for (int i = 0; i < 16; ++i) t[i] = _mm512_load_ps(ot + (z * 16 + i) * 16);
       transpose16(reinterpret_cast<__m512i*>(t));
       for (int64_t rr = 0; rr < nr; ++rr) _mm512_storeu_ps(OT + rr * D + z * 16, t[rr]);
     }
