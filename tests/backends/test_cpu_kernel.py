@@ -1053,6 +1053,96 @@ def test_decoder_layer_matches_its_steps(kv_lens: list[int], q_lens: list[int], 
         torch.testing.assert_close(got, want, atol=2 ** -4, rtol=1.6e-2)
 
 
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize(("kv_lens", "q_lens", "extras"), [
+    ([37], [1], False), ([5, 130, 64], [1, 1, 1], True), ([70, 20], [70, 1], False),
+    ([33, 90], [33, 17], True)])
+def test_decoder_layers_is_its_layers_one_after_another(kv_lens: list[int], q_lens: list[int],
+                                                        extras: bool, int8: bool) -> None:
+    """A run of layers in one call (decoder_layers) against decoder_layer called for each in
+    turn, the output and residual of one the input of the next: the same kernels in the same
+    order, so equal to the bit, the pools too. Three layers with their own weights, norms,
+    biases and q/k norms (where given), pools and windows (the middle one sliding); decode,
+    prefill and mixed steps, the first layers of a model (no residual) and later ones."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    g = torch.Generator().manual_seed(sum(kv_lens) * 7 + sum(q_lens))
+    hidden, inter, heads, kv_heads, d, pages, n_layers = 576, 1536, 9, 3, 64, 512, 3
+    windows = [0, 24, 0]
+    m = sum(q_lens)
+    shapes = [((heads + 2 * kv_heads) * d, hidden), (hidden, heads * d), (2 * inter, hidden),
+              (hidden, inter)]
+    weights: list[torch.Tensor] = []
+    scales: list[torch.Tensor] = []
+    norms, qkv_biases, o_biases, qk_norms = [], [], [], []
+    for _ in range(n_layers):
+        ws = [(torch.randn(n, k, generator=g) / math.sqrt(k)).bfloat16() for n, k in shapes]
+        if int8:
+            qs = [quant.quantize_rows(w) for w in ws]
+            weights += [torch.ops.minisgl_cpu.int8_pack(q) for q, _ in qs]
+            scales += [sc for _, sc in qs]
+        else:
+            weights += [torch.ops.minisgl_cpu.bf16_pack(w) for w in ws]
+        norms += list((1 + 0.1 * torch.randn(2, hidden, generator=g)).bfloat16())
+        if extras:
+            qkv_biases.append(torch.randn((heads + 2 * kv_heads) * d, generator=g).bfloat16())
+            o_biases.append(torch.randn(hidden, generator=g).bfloat16())
+            qk_norms += list((1 + 0.1 * torch.randn(2, d, generator=g)).bfloat16())
+    pos = torch.cat([torch.arange(n - q, n) for n, q in zip(kv_lens, q_lens)])
+    angle = pos[:, None].float() * (1e4 ** -(torch.arange(d // 2) / (d // 2)))[None]
+    cos, sin = (torch.cat([f(angle)] * 2, dim=-1).bfloat16() for f in (torch.cos, torch.sin))
+    pools = torch.randn(n_layers, 2, kv_heads, pages, d, generator=g).bfloat16()
+    perm = torch.randperm(pages - 1, generator=g) + 1
+    lk = max(kv_lens)
+    slots = torch.stack([perm[i * lk:(i + 1) * lk] for i in range(len(kv_lens))])
+    out_loc = torch.cat([slots[i, n - q:n] for i, (n, q) in enumerate(zip(kv_lens, q_lens))])
+    q_start = torch.tensor([0, *itertools.accumulate(q_lens)][:-1])
+    index = (out_loc, slots, torch.tensor(kv_lens), q_start, torch.tensor(q_lens))
+    x = torch.randn(m, hidden, generator=g).bfloat16()
+    for res in (None, torch.randn(m, hidden, generator=g).bfloat16()):
+        got_pools, want_pools = pools.clone(), pools.clone()
+        y, r = cpu_kernels.decoder_layers(
+            x, res, norms, weights, scales, qkv_biases, o_biases, qk_norms, cos, sin,
+            list(got_pools[:, 0]), list(got_pools[:, 1]), *index, d ** -0.5, 1e-5, heads,
+            kv_heads, windows)
+        want_y, want_r = x, res
+        for i in range(n_layers):
+            want_y, want_r = cpu_kernels.decoder_layer(
+                want_y, want_r, norms[2 * i], norms[2 * i + 1], weights[4 * i:4 * i + 4],
+                scales[4 * i:4 * i + 4], *((qkv_biases[i], o_biases[i], *qk_norms[2 * i:2 * i + 2])
+                                           if extras else (None,) * 4),
+                cos, sin, want_pools[i, 0], want_pools[i, 1], *index, d ** -0.5, 1e-5, heads,
+                kv_heads, windows[i])
+        assert torch.equal(y, want_y) and torch.equal(r, want_r)
+        assert torch.equal(got_pools, want_pools)
+        assert not torch.equal(got_pools, pools)  # the new K/V were stored, in every layer
+        assert all(not torch.equal(got_pools[i], pools[i]) for i in range(n_layers))
+
+
+def test_decoder_layers_refuses_lists_that_are_not_per_layer() -> None:
+    """Every list holds its entries for each layer (or, for the optional ones, none at all): a
+    list of another length is refused before anything runs."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    hidden, d = 64, 32
+    ws = [torch.ops.minisgl_cpu.bf16_pack(torch.zeros(n, k, dtype=torch.bfloat16))
+          for n, k in [(4 * d, hidden), (hidden, 2 * d), (128, hidden), (hidden, 64)]]
+    x, norm = torch.zeros(1, hidden, dtype=torch.bfloat16), torch.ones(hidden, dtype=torch.bfloat16)
+    cs = torch.zeros(1, d, dtype=torch.bfloat16)
+    pools = [torch.zeros(1, 16, d, dtype=torch.bfloat16) for _ in range(4)]
+    index = (torch.tensor([3]), torch.tensor([[1, 2, 3]]), torch.tensor([3]), torch.tensor([0]),
+             torch.tensor([1]))
+    bias = torch.zeros(4 * d, dtype=torch.bfloat16)
+    for norms, weights, qkv_biases, windows in (
+            ([norm] * 4, ws * 2, [], [0]),  # 2 layers of norms and weights, 1 window
+            ([norm] * 3, ws * 2, [], [0, 0]),  # 3 norms for 2 layers
+            ([norm] * 4, ws, [], [0, 0]),  # 1 layer of weights
+            ([norm] * 4, ws * 2, [bias], [0, 0])):  # a bias for one of 2 layers
+        before = [p.clone() for p in pools]
+        with pytest.raises(RuntimeError, match="per layer"):
+            cpu_kernels.decoder_layers(x, None, norms, weights, [], qkv_biases, [], [], cs, cs,
+                                       pools[:2], pools[2:], *index, 0.1, 1e-5, 2, 1, windows)
+        assert all(torch.equal(p, b) for p, b in zip(pools, before))
+
+
 @pytest.mark.parametrize(("q_start", "q_lens", "match"), [
     ([0, 3], [2, 2], "follow each other"), ([1, 2], [1, 3], "follow each other"),
     ([0, 2], [2, 1], "add up to x's rows"), ([0, 4], [4, 0], "q_lens >= 1")])

@@ -1,7 +1,7 @@
-"""The CPU backend's one-call decoder layer (minisgl_cpu::decoder_layer) in a real engine: decode
-steps through it give the tokens and (but for the order of float32 sums) the logits of the
-model's own modules, for SmolLM2 in bf16 and int8 and for the family's variants (biases, q/k
-norms)."""
+"""The CPU backend's one-call decoder layers (minisgl_cpu::decoder_layers, each layer as
+minisgl_cpu::decoder_layer) in a real engine: steps through it give the tokens and (but for the
+order of float32 sums) the logits of the model's own modules, for SmolLM2 in bf16 and int8 and
+for the family's variants (biases, q/k norms)."""
 
 from __future__ import annotations
 
@@ -24,17 +24,17 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.load(),
 def _run(path: str, fused: bool, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch,
          compile: str = "off", **kw: Any
          ) -> tuple[list[list[int]], list[tuple[list[int], torch.Tensor]], int]:
-    """(token ids, recorded logits, decoder_layer calls: compiled, those while tracing) of one
-    engine; compiled, every decode step ran on a graph."""
+    """(token ids, recorded logits, layers run by decoder_layers calls: compiled, those while
+    tracing) of one engine; compiled, every decode step ran on a graph."""
     calls = [0]
-    op = cpu_kernels.decoder_layer
+    op = cpu_kernels.decoder_layers
 
     def counted(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        calls[0] += 1
+        calls[0] += len(args[10])  # k_pools: one per layer the call runs
         return op(*args)
 
     monkeypatch.setenv("MINISGL_FUSED_LAYER", "on" if fused else "off")
-    monkeypatch.setattr(cpu_kernels, "decoder_layer", counted)
+    monkeypatch.setattr(cpu_kernels, "decoder_layers", counted)
     llm = LLM(path, dtype="bfloat16", compile=compile, **kw)
     with record_logits(llm.engine) as rec:
         ids = [o.token_ids for o in llm.generate(prompts, greedy(24))]
@@ -44,7 +44,7 @@ def _run(path: str, fused: bool, prompts: list[list[int]], monkeypatch: pytest.M
         decode_steps = sum(n for k, n in graphs.steps.items() if k[0] == "decode")
         assert decode_steps >= 24 - 1, graphs.steps
     llm.close()
-    monkeypatch.setattr(cpu_kernels, "decoder_layer", op)
+    monkeypatch.setattr(cpu_kernels, "decoder_layers", op)
     return ids, rec, calls[0]
 
 

@@ -17,8 +17,9 @@
   written; elsewhere the linear, then the product.
 - ``decoder_layer`` (cpu_layer.cpp): a Llama-family decoder layer of a step in one call
   (RMSNorm, QKV, RoPE, the K/V store, ``paged_attention``, O, residual, RMSNorm, gate-up, SiLU,
-  down), on weights packed by ``bf16_pack`` or ``int8_pack``; the CPU backend uses it through
-  ``minisgl.core.layers.register_fused_decoder_layer`` (torch_native.py says where);
+  down), on weights packed by ``bf16_pack`` or ``int8_pack``; ``decoder_layers``: a run of them
+  in one call, which the CPU backend uses through
+  ``minisgl.core.layers.register_fused_decoder_layers`` (torch_native.py says where);
   ``MINISGL_FUSED_LAYER=off`` turns that off.
 - ``argmax_logsumexp`` (cpu_sample.cpp): the greedy token and the log-sum-exp of every row of
   float32 logits in one call; ``load()`` registers it with
@@ -177,6 +178,10 @@ def _register_fake() -> None:
     def _(x, residual, *rest):  # type: ignore[no-untyped-def]
         return torch.empty_like(x), torch.empty_like(x)
 
+    @torch.library.register_fake("minisgl_cpu::decoder_layers")
+    def _(x, residual, *rest):  # type: ignore[no-untyped-def]
+        return torch.empty_like(x), torch.empty_like(x)
+
     @torch.library.register_fake("minisgl_cpu::bf16_linear")
     def _(x, w, n):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], n)
@@ -233,4 +238,25 @@ def decoder_layer(x: torch.Tensor, residual: torch.Tensor | None, in_norm: torch
         x, residual, in_norm, post_norm, weights, scales, qkv_bias, o_bias, q_norm, k_norm, cos,
         sin, k_pool, v_pool, out_loc, slots, kv_lens, q_start, q_lens, scale, eps, heads,
         kv_heads, window)
+    return y, r
+
+
+def decoder_layers(x: torch.Tensor, residual: torch.Tensor | None, norms: list[torch.Tensor],
+                   weights: list[torch.Tensor], scales: list[torch.Tensor],
+                   qkv_biases: list[torch.Tensor], o_biases: list[torch.Tensor],
+                   qk_norms: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                   k_pools: list[torch.Tensor], v_pools: list[torch.Tensor],
+                   out_loc: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
+                   q_start: torch.Tensor, q_lens: torch.Tensor, scale: float, eps: float,
+                   heads: int, kv_heads: int, windows: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Consecutive decoder layers in one call, each as ``decoder_layer``; returns the last one's
+    (output, residual). Per layer l: ``norms[2l]``, ``norms[2l + 1]`` (input, post-attention),
+    ``weights[4l:4l + 4]`` and their ``scales`` (int8; empty for bf16), its qkv and o bias (one
+    per layer, or empty lists where the layers have none), its q and k norms
+    (``qk_norms[2l:2l + 2]``, or empty), ``k_pools[l]``, ``v_pools[l]``, ``windows[l]``; the
+    rest as for ``decoder_layer``, shared by the layers."""
+    y, r = torch.ops.minisgl_cpu.decoder_layers(
+        x, residual, norms, weights, scales, qkv_biases, o_biases, qk_norms, cos, sin, k_pools,
+        v_pools, out_loc, slots, kv_lens, q_start, q_lens, scale, eps, heads, kv_heads, windows)
     return y, r

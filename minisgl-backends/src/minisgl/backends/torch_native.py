@@ -20,8 +20,8 @@ prompts in one layer).
 Sliding windows (``windows``, per layer): the kernel skips the keys before each query's window;
 the PyTorch path masks them, with one more mask per step and window size.
 
-With the kernels, every step's Llama-family decoder layers run as one ``decoder_layer`` call
-each (``fused_decoder_layer``, registered with minisgl.core.layers): norms, linears, RoPE, the
+With the kernels, every step's Llama-family decoder layers run as one ``decoder_layers`` call
+(``fused_decoder_layers``, registered with minisgl.core.layers): per layer norms, linears, RoPE, the
 K/V store and this attention in C++ back to back, where the layer's weights are in the bf16 or
 int8 kernel's layout and TP is 1 (Llama, Mistral, Qwen2's biases, Qwen3's q/k norms);
 ``MINISGL_FUSED_LAYER=off`` keeps the modules.
@@ -30,6 +30,7 @@ int8 kernel's layout and TP is 1 (Llama, Mistral, Qwen2's biases, Qwen3's q/k no
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 from minisgl.backends import cpu_kernels
 from minisgl.core.attention import AttentionBackend, BatchLayout, ForwardContext
 from minisgl.core.kvcache import KVPool
-from minisgl.core.layers import DecoderLayerParts, register_fused_decoder_layer
+from minisgl.core.layers import DecoderLayerParts, register_fused_decoder_layers
 from minisgl.core.layers.quant import QuantizableLinear
 
 KV_BUCKET = 64  # decode: Lk is padded to a multiple of this
@@ -95,7 +96,7 @@ class TorchNativeBackend(AttentionBackend):
             cpu_kernels.load()
         self.uses_cpu_kernel = device.type == "cpu" and cpu_kernels.supports(
             dtype, num_heads, num_kv_heads, head_dim)
-        # the decoder layers as one call each (fused_decoder_layer, for this backend's steps)
+        # the decoder layers as one call (fused_decoder_layers, for this backend's steps)
         self.fused_layers = self.uses_cpu_kernel and cpu_kernels.fused_layer_enabled()
         # PyTorch's path: on a CPU without bf16 instructions (AVX2), PyTorch's bf16 matmuls are
         # slow (a bmm of SmolLM2's batch-1 decode attention took ~90 us, 60 of them 4.6 ms of a
@@ -103,7 +104,7 @@ class TorchNativeBackend(AttentionBackend):
         self.decode_f32 = (device.type == "cpu" and dtype == torch.bfloat16
                            and not torch.ops.mkldnn._is_mkldnn_bf16_supported())
         if self.fused_layers:
-            register_fused_decoder_layer(fused_decoder_layer)
+            register_fused_decoder_layers(fused_decoder_layers)
 
     def prepare(self, layout: BatchLayout) -> TorchNativeMeta:
         if self.uses_cpu_kernel:
@@ -227,30 +228,56 @@ def _kernel_weights(linears: tuple[QuantizableLinear, ...]
     return None
 
 
-def fused_decoder_layer(p: DecoderLayerParts, x: torch.Tensor, residual: torch.Tensor | None,
-                        cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The layer as one ``cpu_kernels.decoder_layer`` call in this backend's steps, or None
+def _fusable(p: DecoderLayerParts, first: DecoderLayerParts) -> bool:
+    """Whether ``decoder_layer`` computes what layer ``p``'s modules would, in a run with
+    ``first`` (the kernel takes one eps, head count and set of optional tensors for the run)."""
+    norms = [n for n in (p.in_norm, p.post_norm, p.q_norm, p.k_norm) if n is not None]
+    biases = [b for b in (p.qkv.bias, p.o.bias) if b is not None]
+    return ((p.q_norm is None) == (p.k_norm is None) == (first.q_norm is None)
+            and (p.qkv.bias is None) == (first.qkv.bias is None)
+            and (p.o.bias is None) == (first.o.bias is None)
+            and all(n.eps == first.in_norm.eps and n.weight.dtype == torch.bfloat16
+                    for n in norms)
+            and all(b.dtype == torch.bfloat16 for b in biases)
+            and p.gate_up.bias is None and p.down.bias is None
+            and p.o.comm.world_size == 1 and p.down.comm.world_size == 1
+            and (p.qkv.num_heads, p.qkv.num_kv_heads)
+            == (first.qkv.num_heads, first.qkv.num_kv_heads))
+
+
+def fused_decoder_layers(layers: Sequence[DecoderLayerParts], x: torch.Tensor,
+                         residual: torch.Tensor | None, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                         ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The layers as one ``cpu_kernels.decoder_layers`` call in this backend's steps, or None
     (run the modules) where the call does not compute what they would."""
     backend, meta = ctx.backend, ctx.meta
     if not (isinstance(backend, TorchNativeBackend) and backend.fused_layers
-            and isinstance(meta, TorchNativeMeta) and meta.kernel is not None):
+            and isinstance(meta, TorchNativeMeta) and meta.kernel is not None and layers
+            and x.dtype == torch.bfloat16):
         return None
-    weights = _kernel_weights((p.qkv, p.o, p.gate_up, p.down))
-    norms = [n for n in (p.in_norm, p.post_norm, p.q_norm, p.k_norm) if n is not None]
-    biases = [b for b in (p.qkv.bias, p.o.bias) if b is not None]
-    if (weights is None or x.dtype != torch.bfloat16 or (p.q_norm is None) != (p.k_norm is None)
-            or any(n.eps != p.in_norm.eps or n.weight.dtype != torch.bfloat16 for n in norms)
-            or any(b.dtype != torch.bfloat16 for b in biases)
-            or p.gate_up.bias is not None or p.down.bias is not None
-            or p.o.comm.world_size > 1 or p.down.comm.world_size > 1):
+    first = layers[0]
+    weights: list[torch.Tensor] = []
+    scales: list[torch.Tensor] = []
+    norms: list[torch.Tensor] = []
+    int8: set[bool] = set()
+    for p in layers:
+        packed = _kernel_weights((p.qkv, p.o, p.gate_up, p.down))
+        if packed is None or not _fusable(p, first):
+            return None
+        weights += packed[0]
+        scales += packed[1]
+        int8.add(bool(packed[1]))
+        norms += [p.in_norm.weight, p.post_norm.weight]
+    if len(int8) > 1:  # bf16 and int8 layers in one model
         return None
+    qkv_biases = [p.qkv.bias for p in layers if p.qkv.bias is not None]
+    o_biases = [p.o.bias for p in layers if p.o.bias is not None]
+    qk_norms = [n.weight for p in layers for n in (p.q_norm, p.k_norm) if n is not None]
     cos, sin = cos_sin
-    t, layer, a = x.shape[0], p.layer_id, meta.kernel
-    return cpu_kernels.decoder_layer(
-        x, residual, p.in_norm.weight, p.post_norm.weight, *weights, p.qkv.bias, p.o.bias,
-        None if p.q_norm is None else p.q_norm.weight,
-        None if p.k_norm is None else p.k_norm.weight, cos.reshape(t, -1),
-        sin.reshape(t, -1), backend.kv.k[layer], backend.kv.v[layer], meta.out_loc, a.slots,
-        a.kv_lens, a.q_start, a.q_lens, backend.scale, p.in_norm.eps, p.qkv.num_heads,
-        p.qkv.num_kv_heads, backend.windows[layer])
+    t, a, kv = x.shape[0], meta.kernel, backend.kv
+    ids = [p.layer_id for p in layers]
+    return cpu_kernels.decoder_layers(
+        x, residual, norms, weights, scales, qkv_biases, o_biases, qk_norms, cos.reshape(t, -1),
+        sin.reshape(t, -1), [kv.k[i] for i in ids], [kv.v[i] for i in ids], meta.out_loc,
+        a.slots, a.kv_lens, a.q_start, a.q_lens, backend.scale, first.in_norm.eps,
+        first.qkv.num_heads, first.qkv.num_kv_heads, [backend.windows[i] for i in ids])

@@ -22,7 +22,7 @@ from minisgl.core.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-    fused_decoder_layer,
+    fused_decoder_layers,
 )
 from minisgl.core.model import CausalLM
 
@@ -89,9 +89,6 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, rope: CosSin, x: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        fused = fused_decoder_layer(self.parts, x, residual, rope, ctx)  # a backend's one call
-        if fused is not None:
-            return fused
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(rope, h, ctx)
         h, residual = self.post_attention_layernorm(h, residual)
@@ -109,13 +106,18 @@ class LlamaModel(nn.Module):
         # one cos/sin table for all layers, looked up once per forward
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
                                           cfg.rope_theta, cfg.rope_scaling)
+        self.parts = [layer.parts for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary_emb.lookup(positions, x.dtype)
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, ctx)
+        fused = fused_decoder_layers(self.parts, x, residual, rope, ctx)  # a backend's one call
+        if fused is not None:
+            x, residual = fused
+        else:
+            for layer in self.layers:
+                x, residual = layer(rope, x, residual, ctx)
         return self.norm(x, residual)[0]
 
 

@@ -298,6 +298,46 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   return out;
 }
 
+// decoder_layers: a run of consecutive decoder layers of a step in one call, each computed as
+// decoder_layer computes it, the output and residual of one the input of the next; returns the
+// last layer's (output, residual). Per layer l: norms[2l], norms[2l + 1] (input, post-attention),
+// weights[4l .. 4l + 3] (qkv, o, gate_up, down), their scales likewise (int8) or none, its qkv and
+// o biases (one per layer, or empty lists where the layers have none), its q and k norms
+// (qk_norms[2l], [2l + 1], or empty), k_pools[l], v_pools[l], windows[l]. Why one call for the
+// run instead of one per layer: each call from a compiled step's Python wrapper cost ~8 us
+// (argument parsing, dispatch, ~24 arguments) and Inductor added buffers and lines per layer, all
+// serial work on the main thread while the other waited (docs/benchmarks.md).
+std::tuple<at::Tensor, at::Tensor> decoder_layers(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual, at::TensorList norms,
+    at::TensorList weights, at::TensorList scales, at::TensorList qkv_biases,
+    at::TensorList o_biases, at::TensorList qk_norms, const at::Tensor& cos, const at::Tensor& sin,
+    at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& out_loc,
+    const at::Tensor& slots, const at::Tensor& kv_lens, const at::Tensor& q_start,
+    const at::Tensor& q_lens, double scale, double eps, int64_t heads, int64_t kv_heads,
+    at::IntArrayRef windows) {
+  const size_t L = k_pools.size();
+  auto per_layer = [&](at::TensorList t, size_t n) { return t.empty() || t.size() == n * L; };
+  TORCH_CHECK(L >= 1 && v_pools.size() == L && windows.size() == L && norms.size() == 2 * L &&
+                  weights.size() == 4 * L && per_layer(scales, 4) && per_layer(qkv_biases, 1) &&
+                  per_layer(o_biases, 1) && per_layer(qk_norms, 2),
+              "decoder_layers: per layer 2 norms, 4 weights (4 scales or none), 1 qkv bias, 1 o "
+              "bias and 2 q/k norms (or none of each), its K and V pools and window");
+  auto opt = [](at::TensorList t, size_t i) {
+    return t.empty() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(t[i]);
+  };
+  std::tuple<at::Tensor, at::Tensor> out{x, residual ? *residual : at::Tensor()};
+  for (size_t l = 0; l < L; ++l) {
+    const std::optional<at::Tensor> r =
+        l == 0 ? residual : std::optional<at::Tensor>(std::get<1>(out));
+    out = decoder_layer(std::get<0>(out), r, norms[2 * l], norms[2 * l + 1],
+                        weights.slice(4 * l, 4), scales.empty() ? scales : scales.slice(4 * l, 4),
+                        opt(qkv_biases, l), opt(o_biases, l), opt(qk_norms, 2 * l),
+                        opt(qk_norms, 2 * l + 1), cos, sin, k_pools[l], v_pools[l], out_loc,
+                        slots, kv_lens, q_start, q_lens, scale, eps, heads, kv_heads, windows[l]);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minisgl_cpu, m) {
@@ -307,6 +347,14 @@ TORCH_LIBRARY_FRAGMENT(minisgl_cpu, m) {
         "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor out_loc, Tensor slots, Tensor kv_lens, "
         "Tensor q_start, Tensor q_lens, float scale, float eps, int heads, int kv_heads, "
         "int window) -> (Tensor, Tensor)");
+  m.def("decoder_layers(Tensor x, Tensor? residual, Tensor[] norms, Tensor[] weights, "
+        "Tensor[] scales, Tensor[] qkv_biases, Tensor[] o_biases, Tensor[] qk_norms, Tensor cos, "
+        "Tensor sin, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor out_loc, Tensor slots, "
+        "Tensor kv_lens, Tensor q_start, Tensor q_lens, float scale, float eps, int heads, "
+        "int kv_heads, int[] windows) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(minisgl_cpu, CPU, m) { m.impl("decoder_layer", &decoder_layer); }
+TORCH_LIBRARY_IMPL(minisgl_cpu, CPU, m) {
+  m.impl("decoder_layer", &decoder_layer);
+  m.impl("decoder_layers", &decoder_layers);
+}

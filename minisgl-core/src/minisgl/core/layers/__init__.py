@@ -5,8 +5,8 @@ from minisgl.core.layers.attention import AttentionLayer
 from minisgl.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.core.layers.fused import (
     DecoderLayerParts,
-    fused_decoder_layer,
-    register_fused_decoder_layer,
+    fused_decoder_layers,
+    register_fused_decoder_layers,
 )
 from minisgl.core.layers.linear import (
     ColumnParallelLinear,
@@ -29,6 +29,6 @@ __all__ = [
     "RowParallelLinear",
     "SiluAndMul",
     "VocabParallelEmbedding",
-    "fused_decoder_layer",
-    "register_fused_decoder_layer",
+    "fused_decoder_layers",
+    "register_fused_decoder_layers",
 ]
