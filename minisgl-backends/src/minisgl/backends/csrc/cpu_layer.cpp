@@ -1,7 +1,7 @@
 // decoder_layer: a whole Llama-family decoder layer of a step (prefill, extend, decode or a mix
 // of them) in one call (weights packed by bf16_pack, or by int8_pack with their scales; the
-// paged KV pool of cpu_attention.cpp), for the CPU backend's steps (minisgl/backends/
-// torch_native.py, fused_decoder_layer):
+// paged KV pool of cpu_attention.cpp), for the CPU backend's steps, all of a model's layers in
+// one decoder_layers call (below; minisgl/backends/torch_native.py, fused_decoder_layers):
 //
 //   r = x + residual (x alone in the first layer)        h = RMSNorm_in(r)
 //   q, k, v = h @ Wqkv.T (+ bias), RMSNorm per head of q and k (Qwen3's, where given),
