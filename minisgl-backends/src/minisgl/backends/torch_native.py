@@ -259,16 +259,14 @@ def fused_decoder_layers(layers: Sequence[DecoderLayerParts], x: torch.Tensor,
     weights: list[torch.Tensor] = []
     scales: list[torch.Tensor] = []
     norms: list[torch.Tensor] = []
-    int8: set[bool] = set()
     for p in layers:
         packed = _kernel_weights((p.qkv, p.o, p.gate_up, p.down))
         if packed is None or not _fusable(p, first):
             return None
         weights += packed[0]
         scales += packed[1]
-        int8.add(bool(packed[1]))
         norms += [p.in_norm.weight, p.post_norm.weight]
-    if len(int8) > 1:  # bf16 and int8 layers in one model
+    if 0 < len(scales) < len(weights):  # bf16 and int8 layers in one model
         return None
     qkv_biases = [p.qkv.bias for p in layers if p.qkv.bias is not None]
     o_biases = [p.o.bias for p in layers if p.o.bias is not None]
