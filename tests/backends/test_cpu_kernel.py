@@ -1118,15 +1118,22 @@ def test_decoder_layers_is_its_layers_one_after_another(kv_lens: list[int], q_le
         assert all(not torch.equal(got_pools[i], pools[i]) for i in range(n_layers))
 
 
+def _tiny_layer(rows: int) -> tuple[int, list[torch.Tensor], torch.Tensor, torch.Tensor,
+                                    torch.Tensor]:
+    """A small zero layer for the argument checks: (head_dim, packed qkv / o / gate_up / down
+    weights of 2 heads over 1 KV head, x [rows, 64], a norm weight, cos = sin [rows, head_dim])."""
+    hidden, d = 64, 32
+    ws = [torch.ops.minisgl_cpu.bf16_pack(torch.zeros(n, k, dtype=torch.bfloat16))
+          for n, k in [(4 * d, hidden), (hidden, 2 * d), (128, hidden), (hidden, 64)]]
+    x, norm = torch.zeros(rows, hidden, dtype=torch.bfloat16), torch.ones(hidden, dtype=torch.bfloat16)
+    return d, ws, x, norm, torch.zeros(rows, d, dtype=torch.bfloat16)
+
+
 def test_decoder_layers_refuses_lists_that_are_not_per_layer() -> None:
     """Every list holds its entries for each layer (or, for the optional ones, none at all): a
     list of another length is refused before anything runs."""
     assert cpu_kernels.load(), cpu_kernels.load_error
-    hidden, d = 64, 32
-    ws = [torch.ops.minisgl_cpu.bf16_pack(torch.zeros(n, k, dtype=torch.bfloat16))
-          for n, k in [(4 * d, hidden), (hidden, 2 * d), (128, hidden), (hidden, 64)]]
-    x, norm = torch.zeros(1, hidden, dtype=torch.bfloat16), torch.ones(hidden, dtype=torch.bfloat16)
-    cs = torch.zeros(1, d, dtype=torch.bfloat16)
+    d, ws, x, norm, cs = _tiny_layer(1)
     pools = [torch.zeros(1, 16, d, dtype=torch.bfloat16) for _ in range(4)]
     index = (torch.tensor([3]), torch.tensor([[1, 2, 3]]), torch.tensor([3]), torch.tensor([0]),
              torch.tensor([1]))
@@ -1151,11 +1158,7 @@ def test_decoder_layer_refuses_rows_that_are_not_its_requests(q_start: list[int]
     """x's rows must be the requests' new rows back to back (the backend's layout): any other
     q_start / q_lens is refused before a row is read."""
     assert cpu_kernels.load(), cpu_kernels.load_error
-    hidden, d = 64, 32
-    ws = [torch.ops.minisgl_cpu.bf16_pack(torch.zeros(n, k, dtype=torch.bfloat16))
-          for n, k in [(4 * d, hidden), (hidden, 2 * d), (128, hidden), (hidden, 64)]]
-    x, norm = torch.zeros(4, hidden, dtype=torch.bfloat16), torch.ones(hidden, dtype=torch.bfloat16)
-    cs = torch.zeros(4, d, dtype=torch.bfloat16)
+    d, ws, x, norm, cs = _tiny_layer(4)
     pool = torch.zeros(1, 16, d, dtype=torch.bfloat16)
     slots = torch.arange(1, 9).reshape(2, 4)
     with pytest.raises(RuntimeError, match=match):
