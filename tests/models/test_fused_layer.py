@@ -1,5 +1,5 @@
-"""The CPU backend's one-call decoder layers (minisgl_cpu::decoder_layers, each layer as
-minisgl_cpu::decoder_layer) in a real engine: steps through it give the tokens and (but for the
+"""The CPU backend's one-call decoder layers (minisgl_cpu::decoder_layers on a model's layers bound
+once, each layer as minisgl_cpu::decoder_layer) in a real engine: steps through it give the tokens and (but for the
 order of float32 sums) the logits of the model's own modules, for SmolLM2 in bf16 and int8 and
 for the family's variants (biases, q/k norms)."""
 
@@ -29,9 +29,9 @@ def _run(path: str, fused: bool, prompts: list[list[int]], monkeypatch: pytest.M
     calls = [0]
     op = cpu_kernels.decoder_layers
 
-    def counted(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        calls[0] += len(args[10])  # k_pools: one per layer the call runs
-        return op(*args)
+    def counted(run: cpu_kernels.LayerRun, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        calls[0] += run.num_layers
+        return op(run, *args)
 
     monkeypatch.setenv("MINISGL_FUSED_LAYER", "on" if fused else "off")
     monkeypatch.setattr(cpu_kernels, "decoder_layers", counted)

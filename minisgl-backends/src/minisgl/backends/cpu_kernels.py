@@ -17,10 +17,10 @@
   written; elsewhere the linear, then the product.
 - ``decoder_layer`` (cpu_layer.cpp): a Llama-family decoder layer of a step in one call
   (RMSNorm, QKV, RoPE, the K/V store, ``paged_attention``, O, residual, RMSNorm, gate-up, SiLU,
-  down), on weights packed by ``bf16_pack`` or ``int8_pack``; ``decoder_layers``: a run of them
-  in one call, which the CPU backend uses through
-  ``minisgl.core.layers.register_fused_decoder_layers`` (torch_native.py says where);
-  ``MINISGL_FUSED_LAYER=off`` turns that off.
+  down), on weights packed by ``bf16_pack`` or ``int8_pack``; ``bind_layers`` / ``decoder_layers``:
+  a run of them bound once (``LayerRun``), then run in one call per step, which the CPU backend
+  uses through ``minisgl.core.layers.register_fused_decoder_layers`` (torch_native.py says
+  where); ``MINISGL_FUSED_LAYER=off`` turns that off.
 - ``argmax_logsumexp`` (cpu_sample.cpp): the greedy token and the log-sum-exp of every row of
   float32 logits in one call; ``load()`` registers it with
   ``minisgl.core.sampling.register_argmax_logsumexp`` for the default sampler.
@@ -45,6 +45,7 @@ backends keep their pure-PyTorch path. ``MINISGL_CPU_KERNELS=off`` turns the ker
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -52,6 +53,7 @@ import platform
 import sysconfig
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -241,22 +243,38 @@ def decoder_layer(x: torch.Tensor, residual: torch.Tensor | None, in_norm: torch
     return y, r
 
 
-def decoder_layers(x: torch.Tensor, residual: torch.Tensor | None, norms: list[torch.Tensor],
-                   weights: list[torch.Tensor], scales: list[torch.Tensor],
-                   qkv_biases: list[torch.Tensor], o_biases: list[torch.Tensor],
-                   qk_norms: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                   k_pools: list[torch.Tensor], v_pools: list[torch.Tensor],
-                   out_loc: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
-                   q_start: torch.Tensor, q_lens: torch.Tensor, scale: float, eps: float,
-                   heads: int, kv_heads: int, windows: list[int]
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Consecutive decoder layers in one call, each as ``decoder_layer``; returns the last one's
-    (output, residual). Per layer l: ``norms[2l]``, ``norms[2l + 1]`` (input, post-attention),
-    ``weights[4l:4l + 4]`` and their ``scales`` (int8; empty for bf16), its qkv and o bias (one
-    per layer, or empty lists where the layers have none), its q and k norms
-    (``qk_norms[2l:2l + 2]``, or empty), ``k_pools[l]``, ``v_pools[l]``, ``windows[l]``; the
-    rest as for ``decoder_layer``, shared by the layers."""
-    y, r = torch.ops.minisgl_cpu.decoder_layers(
-        x, residual, norms, weights, scales, qkv_biases, o_biases, qk_norms, cos, sin, k_pools,
-        v_pools, out_loc, slots, kv_lens, q_start, q_lens, scale, eps, heads, kv_heads, windows)
+class LayerRun:
+    """Consecutive decoder layers bound once to the kernels (``bind_layers``): per layer l
+    ``norms[2l]``, ``norms[2l + 1]`` (input, post-attention), ``weights[4l:4l + 4]`` and their
+    ``scales`` (int8; empty for bf16), its qkv and o bias (one per layer, or empty lists where
+    the layers have none), its q and k norms (``qk_norms[2l:2l + 2]``, or empty),
+    ``k_pools[l]``, ``v_pools[l]``, ``windows[l]``; ``scale``, ``eps`` and the head counts as
+    for ``decoder_layer``, shared. ``handle`` is the run's id in an int64 tensor [1]: what a step
+    passes instead of the ~8 tensors per layer (cpu_layer.cpp says why). The kernels hold
+    the tensors until this object is collected."""
+
+    def __init__(self, norms: list[torch.Tensor], weights: list[torch.Tensor],
+                 scales: list[torch.Tensor], qkv_biases: list[torch.Tensor],
+                 o_biases: list[torch.Tensor], qk_norms: list[torch.Tensor],
+                 k_pools: list[torch.Tensor], v_pools: list[torch.Tensor], windows: list[int],
+                 scale: float, eps: float, heads: int, kv_heads: int) -> None:
+        ops = torch.ops.minisgl_cpu
+        self.handle: torch.Tensor = ops.bind_layers(norms, weights, scales, qkv_biases, o_biases,
+                                                    qk_norms, k_pools, v_pools, windows, scale,
+                                                    eps, heads, kv_heads)
+        self.num_layers = len(k_pools)
+        # a C function, not an op: the collector may run this while the thread traces a graph
+        # (under the fake-tensor mode, which refuses real tensors); no Python frame either
+        unbind = ctypes.CFUNCTYPE(None, ctypes.c_int64)(ops.unbind_layers_address())
+        weakref.finalize(self, unbind, int(self.handle[0]))
+
+
+def decoder_layers(run: LayerRun, x: torch.Tensor, residual: torch.Tensor | None,
+                   cos: torch.Tensor, sin: torch.Tensor, out_loc: torch.Tensor,
+                   slots: torch.Tensor, kv_lens: torch.Tensor, q_start: torch.Tensor,
+                   q_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layers of ``run`` in one call, each as ``decoder_layer``; returns the last one's
+    (output, residual). The rest as for ``decoder_layer``, shared by the layers."""
+    y, r = torch.ops.minisgl_cpu.decoder_layers(x, residual, run.handle, cos, sin, out_loc,
+                                                slots, kv_lens, q_start, q_lens)
     return y, r

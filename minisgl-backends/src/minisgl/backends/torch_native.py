@@ -21,10 +21,10 @@ Sliding windows (``windows``, per layer): the kernel skips the keys before each 
 the PyTorch path masks them, with one more mask per step and window size.
 
 With the kernels, every step's Llama-family decoder layers run as one ``decoder_layers`` call
-(``fused_decoder_layers``, registered with minisgl.core.layers): per layer norms, linears, RoPE, the
-K/V store and this attention in C++ back to back, where the layer's weights are in the bf16 or
-int8 kernel's layout and TP is 1 (Llama, Mistral, Qwen2's biases, Qwen3's q/k norms);
-``MINISGL_FUSED_LAYER=off`` keeps the modules.
+(``bind_decoder_layers``, registered with minisgl.core.layers, binds a model's layers to the
+kernels once): per layer norms, linears, RoPE, the K/V store and this attention in C++ back to
+back, where the layer's weights are in the bf16 or int8 kernel's layout and TP is 1 (Llama,
+Mistral, Qwen2's biases, Qwen3's q/k norms); ``MINISGL_FUSED_LAYER=off`` keeps the modules.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class TorchNativeBackend(AttentionBackend):
             cpu_kernels.load()
         self.uses_cpu_kernel = device.type == "cpu" and cpu_kernels.supports(
             dtype, num_heads, num_kv_heads, head_dim)
-        # the decoder layers as one call (fused_decoder_layers, for this backend's steps)
+        # the decoder layers as one call (bind_decoder_layers, for this backend's steps)
         self.fused_layers = self.uses_cpu_kernel and cpu_kernels.fused_layer_enabled()
         # PyTorch's path: on a CPU without bf16 instructions (AVX2), PyTorch's bf16 matmuls are
         # slow (a bmm of SmolLM2's batch-1 decode attention took ~90 us, 60 of them 4.6 ms of a
@@ -104,7 +104,7 @@ class TorchNativeBackend(AttentionBackend):
         self.decode_f32 = (device.type == "cpu" and dtype == torch.bfloat16
                            and not torch.ops.mkldnn._is_mkldnn_bf16_supported())
         if self.fused_layers:
-            register_fused_decoder_layers(fused_decoder_layers)
+            register_fused_decoder_layers(bind_decoder_layers)
 
     def prepare(self, layout: BatchLayout) -> TorchNativeMeta:
         if self.uses_cpu_kernel:
@@ -245,15 +245,32 @@ def _fusable(p: DecoderLayerParts, first: DecoderLayerParts) -> bool:
             == (first.qkv.num_heads, first.qkv.num_kv_heads))
 
 
-def fused_decoder_layers(layers: Sequence[DecoderLayerParts], x: torch.Tensor,
-                         residual: torch.Tensor | None, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                         ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The layers as one ``cpu_kernels.decoder_layers`` call in this backend's steps, or None
-    (run the modules) where the call does not compute what they would."""
-    backend, meta = ctx.backend, ctx.meta
-    if not (isinstance(backend, TorchNativeBackend) and backend.fused_layers
-            and isinstance(meta, TorchNativeMeta) and meta.kernel is not None and layers
-            and x.dtype == torch.bfloat16):
+class FusedLayerRun:
+    """The layers as one ``cpu_kernels.decoder_layers`` call in this backend's steps (their
+    weights, norms and pools bound once: ``run``)."""
+
+    def __init__(self, backend: TorchNativeBackend, run: cpu_kernels.LayerRun) -> None:
+        self.backend, self.run = backend, run
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None,
+                 cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        meta = ctx.meta
+        if not (ctx.backend is self.backend and isinstance(meta, TorchNativeMeta)
+                and meta.kernel is not None and x.dtype == torch.bfloat16):
+            return None
+        cos, sin = cos_sin
+        t, a = x.shape[0], meta.kernel
+        return cpu_kernels.decoder_layers(self.run, x, residual, cos.reshape(t, -1),
+                                          sin.reshape(t, -1), meta.out_loc, a.slots, a.kv_lens,
+                                          a.q_start, a.q_lens)
+
+
+def bind_decoder_layers(layers: Sequence[DecoderLayerParts], backend: AttentionBackend
+                        ) -> FusedLayerRun | None:
+    """The layers bound to ``cpu_kernels`` for one call per step with ``backend``, or None (run
+    the modules) where that call would not compute what they do."""
+    if not (isinstance(backend, TorchNativeBackend) and backend.fused_layers and layers):
         return None
     first = layers[0]
     weights: list[torch.Tensor] = []
@@ -271,11 +288,9 @@ def fused_decoder_layers(layers: Sequence[DecoderLayerParts], x: torch.Tensor,
     qkv_biases = [p.qkv.bias for p in layers if p.qkv.bias is not None]
     o_biases = [p.o.bias for p in layers if p.o.bias is not None]
     qk_norms = [n.weight for p in layers for n in (p.q_norm, p.k_norm) if n is not None]
-    cos, sin = cos_sin
-    t, a, kv = x.shape[0], meta.kernel, backend.kv
-    ids = [p.layer_id for p in layers]
-    return cpu_kernels.decoder_layers(
-        x, residual, norms, weights, scales, qkv_biases, o_biases, qk_norms, cos.reshape(t, -1),
-        sin.reshape(t, -1), [kv.k[i] for i in ids], [kv.v[i] for i in ids], meta.out_loc,
-        a.slots, a.kv_lens, a.q_start, a.q_lens, backend.scale, first.in_norm.eps,
-        first.qkv.num_heads, first.qkv.num_kv_heads, [backend.windows[i] for i in ids])
+    ids, kv = [p.layer_id for p in layers], backend.kv
+    run = cpu_kernels.LayerRun(
+        norms, weights, scales, qkv_biases, o_biases, qk_norms, [kv.k[i] for i in ids],
+        [kv.v[i] for i in ids], [backend.windows[i] for i in ids], backend.scale,
+        first.in_norm.eps, first.qkv.num_heads, first.qkv.num_kv_heads)
+    return FusedLayerRun(backend, run)

@@ -120,6 +120,7 @@ class Engine:
             quantize_model_int8(self.model)
         else:
             prepack_model(self.model)  # bf16 on CPU: a kernel's blocked layout (no-op elsewhere)
+        self.model.bind(self.backend)
         sampler_cls = pm.samplers.get(config.sampler)
         self.sampler: Sampler = sampler_cls(mc.vocab_size, self.device)
         # Sampled tokens land here too, so a step launched before the previous one finished

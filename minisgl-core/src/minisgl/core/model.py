@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from minisgl.core.attention import ForwardContext
+from minisgl.core.attention import AttentionBackend, ForwardContext
 from minisgl.core.config import ModelConfig
 from minisgl.core.distributed import Communicator
 from minisgl.core.weights import WeightSource, default_weight_loader
@@ -38,6 +38,11 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] (full vocabulary on every rank) for the rows of ``hidden``."""
         raise NotImplementedError
+
+    def bind(self, backend: AttentionBackend) -> None:
+        """Called by the engine once the weights are final (loaded, then packed or quantized)
+        and the attention backend is built, before any step: set up what depends on both (the
+        Llama family asks for its layers' one call here, core/layers/fused.py). Default: nothing."""
 
     def skip_weight(self, name: str) -> bool:
         if any(s in name for s in self.ignored_weights):

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minisgl.core.attention import ForwardContext
+from minisgl.core.attention import AttentionBackend, ForwardContext
 from minisgl.core.config import ModelConfig
 from minisgl.core.distributed import Communicator
 from minisgl.core.layers import (
     AttentionLayer,
     DecoderLayerParts,
+    FusedLayers,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -22,7 +23,7 @@ from minisgl.core.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-    fused_decoder_layers,
+    bind_fused_decoder_layers,
 )
 from minisgl.core.model import CausalLM
 
@@ -107,12 +108,13 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
                                           cfg.rope_theta, cfg.rope_scaling)
         self.parts = [layer.parts for layer in self.layers]
+        self.fused: FusedLayers | None = None  # the layers in one call, where a backend has it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary_emb.lookup(positions, x.dtype)
-        fused = fused_decoder_layers(self.parts, x, residual, rope, ctx)  # a backend's one call
+        fused = None if self.fused is None else self.fused(x, residual, rope, ctx)
         if fused is not None:
             x, residual = fused
         else:
@@ -141,6 +143,9 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
+
+    def bind(self, backend: AttentionBackend) -> None:
+        self.model.fused = bind_fused_decoder_layers(self.model.parts, backend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

@@ -1,7 +1,8 @@
 // decoder_layer: a whole Llama-family decoder layer of a step (prefill, extend, decode or a mix
 // of them) in one call (weights packed by bf16_pack, or by int8_pack with their scales; the
-// paged KV pool of cpu_attention.cpp), for the CPU backend's steps, all of a model's layers in
-// one decoder_layers call (below; minisgl/backends/torch_native.py, fused_decoder_layers):
+// paged KV pool of cpu_attention.cpp), for the CPU backend's steps, all of a model's layers,
+// bound once (bind_layers), in one decoder_layers call (below; minisgl/backends/torch_native.py,
+// bind_decoder_layers):
 //
 //   r = x + residual (x alone in the first layer)        h = RMSNorm_in(r)
 //   q, k, v = h @ Wqkv.T (+ bias), RMSNorm per head of q and k (Qwen3's, where given),
@@ -24,14 +25,18 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "kernels.h"
@@ -298,42 +303,96 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   return out;
 }
 
-// decoder_layers: a run of consecutive decoder layers of a step in one call, each computed as
-// decoder_layer computes it, the output and residual of one the input of the next; returns the
-// last layer's (output, residual). Per layer l: norms[2l], norms[2l + 1] (input, post-attention),
-// weights[4l .. 4l + 3] (qkv, o, gate_up, down), their scales likewise (int8) or none, its qkv and
-// o biases (one per layer, or empty lists where the layers have none), its q and k norms
-// (qk_norms[2l], [2l + 1], or empty), k_pools[l], v_pools[l], windows[l]. Why one call for the
-// run instead of one per layer: each call from a compiled step's Python wrapper cost ~8 us
-// (argument parsing, dispatch, ~24 arguments) and Inductor added buffers and lines per layer, all
-// serial work on the main thread while the other waited (docs/benchmarks.md).
-std::tuple<at::Tensor, at::Tensor> decoder_layers(
-    const at::Tensor& x, const std::optional<at::Tensor>& residual, at::TensorList norms,
-    at::TensorList weights, at::TensorList scales, at::TensorList qkv_biases,
-    at::TensorList o_biases, at::TensorList qk_norms, const at::Tensor& cos, const at::Tensor& sin,
-    at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& out_loc,
-    const at::Tensor& slots, const at::Tensor& kv_lens, const at::Tensor& q_start,
-    const at::Tensor& q_lens, double scale, double eps, int64_t heads, int64_t kv_heads,
-    at::IntArrayRef windows) {
+// A run of consecutive decoder layers (a model's, all of them) bound once: per layer l
+// norms[2l], norms[2l + 1] (input, post-attention), weights[4l .. 4l + 3] (qkv, o, gate_up, down),
+// their scales likewise (int8) or none, its qkv and o biases (one per layer, or none where the
+// layers have none), its q and k norms (qk_norms[2l], [2l + 1], or none), k_pools[l],
+// v_pools[l], windows[l]; scale, eps and head counts shared. bind_layers keeps them here and
+// returns the run's id in an int64 tensor [1]; decoder_layers(x, residual, run, ...) then runs the
+// layers, each computed as decoder_layer computes it, the output and residual of one the input of
+// the next. Why bound: a step passing the ~240 weight, norm and pool tensors of SmolLM2's 30
+// layers in lists to one call spent ~0.67 us per tensor on them every step (Dynamo gathering
+// them as graph inputs, the wrapper passing them on, the op parsing its lists) while the memory
+// bus idled; the graph now takes one small tensor. An id in a tensor, not a constant, so that a
+// graph compiled in one process (the compile worker, its own run) is the graph of another.
+struct LayerRun {
+  std::vector<at::Tensor> norms, weights, scales, qkv_biases, o_biases, qk_norms, k_pools, v_pools;
+  std::vector<int64_t> windows;
+  double scale, eps;
+  int64_t heads, kv_heads;
+};
+
+std::mutex runs_lock;
+std::unordered_map<int64_t, std::shared_ptr<const LayerRun>> runs;
+int64_t next_run_id = 1;
+
+int64_t run_id(const at::Tensor& run) {
+  TORCH_CHECK(run.numel() == 1 && run.scalar_type() == at::kLong && run.device().is_cpu(),
+              "decoder_layers: run must be the int64 tensor [1] bind_layers returned");
+  return *run.const_data_ptr<int64_t>();
+}
+
+at::Tensor bind_layers(at::TensorList norms, at::TensorList weights, at::TensorList scales,
+                       at::TensorList qkv_biases, at::TensorList o_biases, at::TensorList qk_norms,
+                       at::TensorList k_pools, at::TensorList v_pools, at::IntArrayRef windows,
+                       double scale, double eps, int64_t heads, int64_t kv_heads) {
   const size_t L = k_pools.size();
   auto per_layer = [&](at::TensorList t, size_t n) { return t.empty() || t.size() == n * L; };
   TORCH_CHECK(L >= 1 && v_pools.size() == L && windows.size() == L && norms.size() == 2 * L &&
                   weights.size() == 4 * L && per_layer(scales, 4) && per_layer(qkv_biases, 1) &&
                   per_layer(o_biases, 1) && per_layer(qk_norms, 2),
-              "decoder_layers: per layer 2 norms, 4 weights (4 scales or none), 1 qkv bias, 1 o "
+              "bind_layers: per layer 2 norms, 4 weights (4 scales or none), 1 qkv bias, 1 o "
               "bias and 2 q/k norms (or none of each), its K and V pools and window");
-  auto opt = [](at::TensorList t, size_t i) {
+  auto run = std::make_shared<const LayerRun>(LayerRun{
+      norms.vec(), weights.vec(), scales.vec(), qkv_biases.vec(), o_biases.vec(), qk_norms.vec(),
+      k_pools.vec(), v_pools.vec(), windows.vec(), scale, eps, heads, kv_heads});
+  std::lock_guard<std::mutex> guard(runs_lock);
+  const int64_t id = next_run_id++;
+  runs.emplace(id, std::move(run));
+  return at::full({1}, id, at::TensorOptions().dtype(at::kLong));
+}
+
+// Drops the run's references to its tensors; a later decoder_layers call with it is refused.
+// A plain C function, called by LayerRun's finalizer through its address (unbind_layers_address):
+// the garbage collector runs finalizers in whatever state it finds the thread, e.g. tracing a
+// graph under the fake-tensor mode, where an op call was refused (seen in the tests) and the
+// run's weights and pools stayed held.
+extern "C" void minisgl_unbind_layers(int64_t id) {
+  std::lock_guard<std::mutex> guard(runs_lock);
+  runs.erase(id);
+}
+
+int64_t unbind_layers_address() { return reinterpret_cast<int64_t>(&minisgl_unbind_layers); }
+
+std::tuple<at::Tensor, at::Tensor> decoder_layers(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& run,
+    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out_loc,
+    const at::Tensor& slots, const at::Tensor& kv_lens, const at::Tensor& q_start,
+    const at::Tensor& q_lens) {
+  const int64_t id = run_id(run);
+  std::shared_ptr<const LayerRun> p;  // kept alive through the call, whatever unbinds meanwhile
+  {
+    std::lock_guard<std::mutex> guard(runs_lock);
+    auto it = runs.find(id);
+    TORCH_CHECK(it != runs.end(), "decoder_layers: no bound run ", id,
+                " (unbound, or bound in another process)");
+    p = it->second;
+  }
+  const LayerRun& r = *p;
+  auto opt = [](const std::vector<at::Tensor>& t, size_t i) {
     return t.empty() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(t[i]);
   };
+  const at::TensorList weights(r.weights), scales(r.scales);
   std::tuple<at::Tensor, at::Tensor> out{x, residual ? *residual : at::Tensor()};
-  for (size_t l = 0; l < L; ++l) {
-    const std::optional<at::Tensor> r =
+  for (size_t l = 0; l < r.k_pools.size(); ++l) {
+    const std::optional<at::Tensor> res =
         l == 0 ? residual : std::optional<at::Tensor>(std::get<1>(out));
-    out = decoder_layer(std::get<0>(out), r, norms[2 * l], norms[2 * l + 1],
+    out = decoder_layer(std::get<0>(out), res, r.norms[2 * l], r.norms[2 * l + 1],
                         weights.slice(4 * l, 4), scales.empty() ? scales : scales.slice(4 * l, 4),
-                        opt(qkv_biases, l), opt(o_biases, l), opt(qk_norms, 2 * l),
-                        opt(qk_norms, 2 * l + 1), cos, sin, k_pools[l], v_pools[l], out_loc,
-                        slots, kv_lens, q_start, q_lens, scale, eps, heads, kv_heads, windows[l]);
+                        opt(r.qkv_biases, l), opt(r.o_biases, l), opt(r.qk_norms, 2 * l),
+                        opt(r.qk_norms, 2 * l + 1), cos, sin, r.k_pools[l], r.v_pools[l], out_loc,
+                        slots, kv_lens, q_start, q_lens, r.scale, r.eps, r.heads, r.kv_heads,
+                        r.windows[l]);
   }
   return out;
 }
@@ -347,14 +406,18 @@ TORCH_LIBRARY_FRAGMENT(minisgl_cpu, m) {
         "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor out_loc, Tensor slots, Tensor kv_lens, "
         "Tensor q_start, Tensor q_lens, float scale, float eps, int heads, int kv_heads, "
         "int window) -> (Tensor, Tensor)");
-  m.def("decoder_layers(Tensor x, Tensor? residual, Tensor[] norms, Tensor[] weights, "
-        "Tensor[] scales, Tensor[] qkv_biases, Tensor[] o_biases, Tensor[] qk_norms, Tensor cos, "
-        "Tensor sin, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor out_loc, Tensor slots, "
-        "Tensor kv_lens, Tensor q_start, Tensor q_lens, float scale, float eps, int heads, "
-        "int kv_heads, int[] windows) -> (Tensor, Tensor)");
+  m.def("bind_layers(Tensor[] norms, Tensor[] weights, Tensor[] scales, Tensor[] qkv_biases, "
+        "Tensor[] o_biases, Tensor[] qk_norms, Tensor[] k_pools, Tensor[] v_pools, int[] windows, "
+        "float scale, float eps, int heads, int kv_heads) -> Tensor");
+  m.def("unbind_layers_address() -> int", &unbind_layers_address);
+  // run: written as far as the compiler knows, standing for the K/V pools the layers store to
+  m.def("decoder_layers(Tensor x, Tensor? residual, Tensor(a!) run, Tensor cos, Tensor sin, "
+        "Tensor out_loc, Tensor slots, Tensor kv_lens, Tensor q_start, Tensor q_lens) "
+        "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(minisgl_cpu, CPU, m) {
   m.impl("decoder_layer", &decoder_layer);
+  m.impl("bind_layers", &bind_layers);
   m.impl("decoder_layers", &decoder_layers);
 }

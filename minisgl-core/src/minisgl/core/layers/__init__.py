@@ -5,7 +5,8 @@ from minisgl.core.layers.attention import AttentionLayer
 from minisgl.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.core.layers.fused import (
     DecoderLayerParts,
-    fused_decoder_layers,
+    FusedLayers,
+    bind_fused_decoder_layers,
     register_fused_decoder_layers,
 )
 from minisgl.core.layers.linear import (
@@ -21,6 +22,7 @@ __all__ = [
     "AttentionLayer",
     "ColumnParallelLinear",
     "DecoderLayerParts",
+    "FusedLayers",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",
@@ -29,6 +31,6 @@ __all__ = [
     "RowParallelLinear",
     "SiluAndMul",
     "VocabParallelEmbedding",
-    "fused_decoder_layers",
+    "bind_fused_decoder_layers",
     "register_fused_decoder_layers",
 ]

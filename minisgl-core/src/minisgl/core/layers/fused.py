@@ -5,12 +5,14 @@ A Llama-family decoder layer is ten kernels: RMSNorm, QKV, RoPE and the K/V stor
 O, the residual add and RMSNorm, gate-up, SiLU-and-mul, down. In a batch-1 CPU decode step the
 Python and dispatch between them (the compiled graph's wrapper, Inductor's small kernels, their
 buffers) took ~1/5 of the step while the memory bus idled (docs/benchmarks.md); one call per
-layer still cost ~8 us of dispatch each. A backend may register ``fn(layers, x, residual,
-cos_sin, ctx)``: the ``(output, new residual)`` of the run of layers ``layers`` (their parts, in
-order) computed in one call, or None where it does not apply (another backend's metadata,
-weights in a layout its kernel does not read, tensor parallelism); the model then runs its
-modules. minisgl-backends registers one for its CPU kernels' steps, prefill and decode
-(``MINISGL_FUSED_LAYER=off`` keeps the modules).
+layer still cost ~8 us of dispatch each, and one call taking every layer's weights ~0.67 us per
+tensor. So a backend may register ``bind(layers, backend)``, asked once per model when its
+weights are final (``CausalLM.bind``): a function ``fn(x, residual, cos_sin, ctx)`` that returns
+the ``(output, new residual)`` of the run of layers ``layers`` (their parts, in order) in one
+call, or None where a step is not its backend's; or None where it does not apply at all (weights
+in a layout its kernel does not read, tensor parallelism). The model runs its modules wherever
+there is no answer. minisgl-backends registers one for its CPU kernels' steps, prefill and
+decode (``MINISGL_FUSED_LAYER=off`` keeps the modules).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.core.attention import ForwardContext
+from minisgl.core.attention import AttentionBackend, ForwardContext
 from minisgl.core.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -46,19 +48,20 @@ class DecoderLayerParts:
     k_norm: RMSNorm | None = None
 
 
-FusedLayers = Callable[[Sequence[DecoderLayerParts], torch.Tensor, "torch.Tensor | None", CosSin,
-                        ForwardContext], "tuple[torch.Tensor, torch.Tensor] | None"]
-_fused: FusedLayers | None = None
+# fn(x, residual, cos_sin, ctx) -> (output, new residual), or None: run the modules
+FusedLayers = Callable[[torch.Tensor, "torch.Tensor | None", CosSin, ForwardContext],
+                       "tuple[torch.Tensor, torch.Tensor] | None"]
+BindFusedLayers = Callable[[Sequence[DecoderLayerParts], AttentionBackend], "FusedLayers | None"]
+_bind: BindFusedLayers | None = None
 
 
-def register_fused_decoder_layers(fn: FusedLayers | None) -> None:
-    """Use ``fn`` for every model's decoder layers from now on (None: the modules only)."""
-    global _fused
-    _fused = fn
+def register_fused_decoder_layers(bind: BindFusedLayers | None) -> None:
+    """Ask ``bind`` for every model's decoder layers bound from now on (None: the modules only)."""
+    global _bind
+    _bind = bind
 
 
-def fused_decoder_layers(layers: Sequence[DecoderLayerParts], x: torch.Tensor,
-                         residual: torch.Tensor | None, cos_sin: CosSin, ctx: ForwardContext
-                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The layers' (output, new residual) in one call, or None: run the modules."""
-    return None if _fused is None else _fused(layers, x, residual, cos_sin, ctx)
+def bind_fused_decoder_layers(layers: Sequence[DecoderLayerParts], backend: AttentionBackend
+                              ) -> FusedLayers | None:
+    """The layers' one call with ``backend`` (weights final), or None: run the modules."""
+    return None if _bind is None else _bind(layers, backend)
