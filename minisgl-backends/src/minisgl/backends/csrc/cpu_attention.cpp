@@ -1424,18 +1424,34 @@ int64_t common_blocks(const int64_t* a, const int64_t* b, int64_t n) {
   return j;
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const at::Tensor& slots, const at::Tensor& kv_lens,
-                           const at::Tensor& q_start, const at::Tensor& q_lens, double scale,
-                           int64_t window) {
+#if MINISGL_ATTN_ANY
+struct Group {  // decode requests order[i .. j) share their first `common` slots
+  int64_t i, j, common;
+};
+// A call's bookkeeping, kept per calling thread from call to call (cleared, not freed): a
+// batch-1 decode step called this 30 times, each with ~18 allocations of it (several past
+// malloc's per-thread cache: the threads' O buffers are 12 KB) on the main thread between the
+// layers' weight streams.
+struct CallScratch {
+  std::vector<Item> items;
+  std::vector<int64_t> members, shared, order, run_end, from, of, fill;
+  std::vector<Group> groups;
+  std::vector<float> kept;  // the split-K parts
+};
+#endif
+
+// out [T, H, D] = attention of q [T, H, D] (bf16 rows back to back) over the pool k, v; the rest
+// as the paged_attention op, whose checks of q's tensor the caller has made.
+void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, const at::Tensor& k,
+                    const at::Tensor& v, const at::Tensor& slots, const at::Tensor& kv_lens,
+                    const at::Tensor& q_start, const at::Tensor& q_lens, double scale,
+                    int64_t window, c10::BFloat16* op) {
   TORCH_CHECK(MINISGL_ATTN_ANY, "paged_attention needs AVX2 with FMA (or AVX512-BF16)");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q: [T, H, D]; k, v: [KVH, S, D]");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
-                  v.scalar_type() == at::kBFloat16, "q, k, v must be bfloat16");
-  TORCH_CHECK(q.size(2) == k.size(2) && k.sizes() == v.sizes(), "head_dim / pool shapes differ");
-  TORCH_CHECK(q.size(2) % 32 == 0 && q.size(2) <= 256, "head_dim must be a multiple of 32, <= 256");
-  TORCH_CHECK(q.size(1) % k.size(0) == 0 && q.size(1) / k.size(0) <= 8,
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() &&
+                  k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
+                  k.sizes() == v.sizes(), "k, v: contiguous bf16 [KVH, S, D] of one shape");
+  TORCH_CHECK(k.size(2) % 32 == 0 && k.size(2) <= 256, "head_dim must be a multiple of 32, <= 256");
+  TORCH_CHECK(H % k.size(0) == 0 && H / k.size(0) <= 8,
               "query heads must be 1-8 times the kv heads");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window), got ", window);
   TORCH_CHECK(scale > 0, "scale must be > 0, got ", scale);
@@ -1444,16 +1460,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t B = slots.size(0);
   TORCH_CHECK(slots.dim() == 2 && kv_lens.numel() == B && q_start.numel() == B && q_lens.numel() == B,
               "slots: [B, Lk]; kv_lens, q_start, q_lens: [B]");
-  auto out = at::empty(q.sizes(), q.options());
 #if MINISGL_ATTN_ANY
-  const int64_t H = q.size(1), D = q.size(2), KVH = k.size(0), S = k.size(1), G = H / KVH;
+  const int64_t D = k.size(2), KVH = k.size(0), S = k.size(1), G = H / KVH;
   const int64_t Lk = slots.size(1);
   const int64_t* kl = kv_lens.data_ptr<int64_t>();
   const int64_t* qs = q_start.data_ptr<int64_t>();
   const int64_t* ql = q_lens.data_ptr<int64_t>();
   int64_t max_q = 0, max_kv = 0, work = 0;
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(ql[b] >= 1 && ql[b] <= kl[b] && kl[b] <= Lk && qs[b] >= 0 && qs[b] + ql[b] <= q.size(0),
+    TORCH_CHECK(ql[b] >= 1 && ql[b] <= kl[b] && kl[b] <= Lk && qs[b] >= 0 && qs[b] + ql[b] <= T,
                 "request ", b, ": bad lengths");
     max_q = std::max(max_q, ql[b]);
     max_kv = std::max(max_kv, kl[b]);
@@ -1466,20 +1481,27 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     const int64_t keys = window > 0 ? std::min(max_kv, window) : max_kv;  // per query at most
     splits = std::clamp<int64_t>((4 * threads + work - 1) / work, 1, std::max<int64_t>(1, keys / 64));
   }
+  // (references bound on this thread: the other threads would see their own by the name)
+  static thread_local CallScratch call_scratch;
+  CallScratch& cs = *minisgl::opaque(&call_scratch);
+  auto& items = cs.items;
+  auto& members = cs.members;
+  auto& shared = cs.shared;  // keys of request b run in its group's shared items
+  items.clear();
+  members.clear();
+  shared.assign(B, 0);
   const int64_t* sp = slots.data_ptr<int64_t>();
-  std::vector<Item> items;
-  std::vector<int64_t> members;
-  std::vector<int64_t> shared(B, 0);  // keys of request b run in its group's shared items
   int64_t parts = 0;
   if (max_q == 1 && window == 0) {
     // Decode requests whose slot rows start alike share a cached prefix: its K/V blocks are
     // loaded and transposed once for the queries of up to QB requests instead of once each.
-    std::vector<int64_t> order(B);
+    auto& order = cs.order;
+    order.resize(B);
     for (int64_t b = 0; b < B; ++b) order[b] = b;
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t a, int64_t b) { return sp[a * Lk] < sp[b * Lk]; });
-    struct Group { int64_t i, j, common; };  // order[i .. j) share their first `common` slots
-    std::vector<Group> groups;
+    auto& groups = cs.groups;
+    groups.clear();
     int64_t whole = 0;  // shared items with each group's keys in one piece
     for (int64_t i = 0, j; i < B; i = j) {
       const int64_t* first = sp + order[i] * Lk;
@@ -1555,22 +1577,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const Blocks* bp = cached ? &blocks : nullptr;
 #endif
   const int64_t stride = G * (D + 2);  // a part: m[G], l[G], O[G, D] (decode: one query)
-  // (the calling thread's, kept from call to call: every part is written before it is read; a
-  // pointer, as the other threads would see their own thread_local by its name)
-  static thread_local std::vector<float> kept;
-  kept.resize(parts * stride);
-  float* const part = kept.data();
-  const auto* qp = q.data_ptr<c10::BFloat16>();
+  // (every part is written before it is read)
+  cs.kept.resize(parts * stride);
+  float* const part = cs.kept.data();
   const auto* kp = k.data_ptr<c10::BFloat16>();
   const auto* vp = v.data_ptr<c10::BFloat16>();
-  auto* op = out.data_ptr<c10::BFloat16>();
   const float fscale = static_cast<float>(scale);
   // Threads claim runs of consecutive items of about equal work (keys x rows, and a block's
   // worth per item for its setup), 16 runs per thread, one atomic per run: each claim moves the
   // counter's cache line between cores (~100 ns; a third of the samples for 64 decode requests'
   // 192 items of one block each, when claimed one by one). The counter has its line to itself.
   const int64_t n_items = static_cast<int64_t>(items.size());
-  std::vector<int64_t> run_end;  // run r: items run_end[r - 1] (0 for r = 0) .. run_end[r] - 1
+  auto& run_end = cs.run_end;  // run r: items run_end[r - 1] (0 for r = 0) .. run_end[r] - 1
+  run_end.clear();
   {
     auto cost = [&](const Item& it) {
       return (it.k1 - it.k0 + KB) * std::max<int64_t>(it.nq, it.mn) * G;
@@ -1588,7 +1607,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     std::atomic<int64_t> v{0};
   } next;
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> O(QB * G * D), m(QB * G), l(QB * G);
+    static thread_local std::vector<float> O, m, l;  // this thread's (each one's own)
+    O.resize(QB * G * D), m.resize(QB * G), l.resize(QB * G);
     // (a thread claims its next run before it starts one, so that it knows the item after each
     // of its items: see Ahead)
     for (int64_t run = next.v.fetch_add(1), after; run < n_runs; run = after) {
@@ -1638,7 +1658,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   });
   if (parts > 0) {  // merge the split-K parts of each (request, kv head); decode only
     // the parts of (request, kv head) bh: of[from[bh] .. from[bh + 1])
-    std::vector<int64_t> from(B * KVH + 1, 0), of(parts);
+    auto& from = cs.from;
+    auto& of = cs.of;
+    auto& fill = cs.fill;
+    from.assign(B * KVH + 1, 0);
+    of.resize(parts);
     auto each_part = [&](auto fn) {
       for (const Item& it : items) {
         if (it.mn > 0) {
@@ -1650,12 +1674,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     };
     each_part([&](int64_t bh, int64_t) { ++from[bh + 1]; });
     for (int64_t bh = 0; bh < B * KVH; ++bh) from[bh + 1] += from[bh];
-    std::vector<int64_t> fill(from.begin(), from.end() - 1);
+    fill.assign(from.begin(), from.end() - 1);
     each_part([&](int64_t bh, int64_t pi) { of[fill[bh]++] = pi; });
     // a few (request, kv head) pairs (batch-1 decode: SmolLM2's 3) merge on this thread: a
     // parallel region costs more than their G x parts x D multiply-adds
     at::parallel_for(0, B * KVH, 8, [&](int64_t begin, int64_t end) {
-      std::vector<float> res(D);
+      float res[MAXD];
       for (int64_t bh = begin; bh < end; ++bh) {
         if (from[bh] == from[bh + 1]) continue;  // written directly
         const int64_t b = bh / KVH, h = bh % KVH;
@@ -1663,7 +1687,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
         for (int64_t g = 0; g < G; ++g) {
           float mx = NEG_INF, sum = 0.f;
           for (int64_t pi : mine) mx = std::max(mx, part[pi * stride + g]);
-          std::fill(res.begin(), res.end(), 0.f);
+          std::fill(res, res + D, 0.f);
           for (int64_t pi : mine) {
             const float* pm = part + pi * stride;
             if (pm[g] == NEG_INF) continue;
@@ -1671,22 +1695,37 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
             sum += w * pm[G + g];
             for (int64_t d = 0; d < D; ++d) res[d] += w * pm[2 * G + g * D + d];
           }
-          write_row(res.data(), sum > 0.f ? 1.f / sum : 0.f, D, op + (qs[b] * H + h * G + g) * D);
+          write_row(res, sum > 0.f ? 1.f / sum : 0.f, D, op + (qs[b] * H + h * G + g) * D);
         }
       }
     });
   }
 #endif
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& slots, const at::Tensor& kv_lens,
+                           const at::Tensor& q_start, const at::Tensor& q_lens, double scale,
+                           int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q: [T, H, D]; k, v: [KVH, S, D]");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16, "q, k, v must be bfloat16");
+  TORCH_CHECK(q.size(2) == k.size(2) && k.sizes() == v.sizes(), "head_dim / pool shapes differ");
+  auto out = at::empty(q.sizes(), q.options());
+  attention_into(q.const_data_ptr<c10::BFloat16>(), q.size(0), q.size(1), k, v, slots, kv_lens,
+                 q_start, q_lens, scale, window, out.mutable_data_ptr<c10::BFloat16>());
   return out;
 }
 
 }  // namespace
 
-at::Tensor minisgl::paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const at::Tensor& slots, const at::Tensor& kv_lens,
-                                    const at::Tensor& q_start, const at::Tensor& q_lens,
-                                    double scale, int64_t window) {
-  return ::paged_attention(q, k, v, slots, kv_lens, q_start, q_lens, scale, window);
+void minisgl::paged_attention_into(const c10::BFloat16* q, int64_t T, int64_t H,
+                                   const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& slots, const at::Tensor& kv_lens,
+                                   const at::Tensor& q_start, const at::Tensor& q_lens,
+                                   double scale, int64_t window, c10::BFloat16* out) {
+  attention_into(q, T, H, k, v, slots, kv_lens, q_start, q_lens, scale, window, out);
 }
 
 TORCH_LIBRARY(minisgl_cpu, m) {

@@ -190,7 +190,10 @@ void add_rms_norm(const bf16* x, const bf16* res, const bf16* w, double eps, int
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "decoder_layer: ", what); }
 
-std::tuple<at::Tensor, at::Tensor> decoder_layer(
+// decoder_layer's (y, r2), written to y and r2 [M, hidden]: these may be x's and residual's
+// memory (both are read, into scratch, before either is written), so that a run of layers
+// updates one pair in place instead of allocating two tensors per layer.
+void layer_into(
     const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& in_norm,
     const at::Tensor& post_norm, at::TensorList weights, at::TensorList scales,
     const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& o_bias,
@@ -198,7 +201,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
     const at::Tensor& v_pool, const at::Tensor& out_loc, const at::Tensor& slots,
     const at::Tensor& kv_lens, const at::Tensor& q_start, const at::Tensor& q_lens, double scale,
-    double eps, int64_t heads, int64_t kv_heads, int64_t window) {
+    double eps, int64_t heads, int64_t kv_heads, int64_t window, bf16* y, bf16* r2) {
   TORCH_CHECK(MINISGL_LAYER_ANY, "decoder_layer needs AVX2 with FMA (or AVX512-BF16)");
   const int64_t M = x.size(0), H = x.size(1), D = k_pool.size(2), S = k_pool.size(1);
   const int64_t NQ = heads * D, NKV = kv_heads * D, NQKV = NQ + 2 * NKV;
@@ -250,19 +253,19 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   const bf16* qn = vec(q_norm, D);
   const bf16* kn = vec(k_norm, D);
   check((qn == nullptr) == (kn == nullptr), "q_norm and k_norm: both or neither");
-  std::tuple<at::Tensor, at::Tensor> out;
 #if MINISGL_LAYER_ANY
-  const auto opt = x.options();
   // the intermediates in one piece of scratch memory; y and r2 are the outputs
   thread_local std::vector<char> keep;
   const size_t row = M * sizeof(bf16);
-  const auto p = minisgl::scratch(keep, {row * H, row * H, row * NQKV, row * H, row * I});
+  const auto p = minisgl::scratch(
+      keep, {row * H, row * H, row * NQKV, row * H, row * I, row * NQ, row * NQ});
   auto* r = reinterpret_cast<bf16*>(p[0]);
   auto* h = reinterpret_cast<bf16*>(p[1]);
   auto* qkv = reinterpret_cast<bf16*>(p[2]);
   auto* o = reinterpret_cast<bf16*>(p[3]);
   auto* act = reinterpret_cast<bf16*>(p[4]);
-  at::Tensor q = at::empty({M, heads, D}, opt);  // paged_attention's input
+  auto* q = reinterpret_cast<bf16*>(p[5]);  // the attention's input [M, heads, D]
+  auto* a = reinterpret_cast<bf16*>(p[6]);  // and output
   add_rms_norm(x.const_data_ptr<bf16>(), residual ? residual->const_data_ptr<bf16>() : nullptr,
                in_norm.const_data_ptr<bf16>(), eps, M, H, r, h);
   linear(0, h, H, qkv, NQKV);
@@ -281,26 +284,39 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
       return static_cast<const bf16*>(normed);
     };
     for (int64_t hd = 0; hd < heads; ++hd)
-      rope(head(row + hd * D, qn), c, s, D, q.mutable_data_ptr<bf16>() + (m * heads + hd) * D);
+      rope(head(row + hd * D, qn), c, s, D, q + (m * heads + hd) * D);
     for (int64_t hd = 0; hd < kv_heads; ++hd) {
       rope(head(row + NQ + hd * D, kn), c, s, D, kp + (hd * S + loc[m]) * D);
       std::memcpy(vp + (hd * S + loc[m]) * D, row + NQ + NKV + hd * D, D * sizeof(bf16));
     }
   });
 
-  at::Tensor a = minisgl::paged_attention(q, k_pool, v_pool, slots, kv_lens, q_start, q_lens,
-                                          scale, window);
-  at::Tensor r2 = at::empty({M, H}, opt);
-  linear(1, a.const_data_ptr<bf16>(), NQ, o, H);
+  minisgl::paged_attention_into(q, M, heads, k_pool, v_pool, slots, kv_lens, q_start, q_lens,
+                                scale, window, a);
+  linear(1, a, NQ, o, H);
   if (o_b != nullptr) add_bias(o, o_b, M, H);
-  add_rms_norm(o, r, post_norm.const_data_ptr<bf16>(), eps, M, H, r2.mutable_data_ptr<bf16>(), h);
+  add_rms_norm(o, r, post_norm.const_data_ptr<bf16>(), eps, M, H, r2, h);
 
   minisgl::gated_into(h, M, H, weights[2], scales.empty() ? nullptr : &scales[2], I, act);
-  at::Tensor y = at::empty({M, H}, opt);
-  linear(3, act, I, y.mutable_data_ptr<bf16>(), H);
-  out = {y, r2};
+  linear(3, act, I, y, H);
 #endif
-  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> decoder_layer(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& in_norm,
+    const at::Tensor& post_norm, at::TensorList weights, at::TensorList scales,
+    const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& o_bias,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
+    const at::Tensor& v_pool, const at::Tensor& out_loc, const at::Tensor& slots,
+    const at::Tensor& kv_lens, const at::Tensor& q_start, const at::Tensor& q_lens, double scale,
+    double eps, int64_t heads, int64_t kv_heads, int64_t window) {
+  const auto opt = x.options().dtype(at::kBFloat16);
+  at::Tensor y = at::empty(x.sizes(), opt), r2 = at::empty(x.sizes(), opt);
+  layer_into(x, residual, in_norm, post_norm, weights, scales, qkv_bias, o_bias, q_norm, k_norm,
+             cos, sin, k_pool, v_pool, out_loc, slots, kv_lens, q_start, q_lens, scale, eps, heads,
+             kv_heads, window, y.mutable_data_ptr<bf16>(), r2.mutable_data_ptr<bf16>());
+  return {y, r2};
 }
 
 // A run of consecutive decoder layers (a model's, all of them) bound once: per layer l
@@ -383,18 +399,18 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     return t.empty() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(t[i]);
   };
   const at::TensorList weights(r.weights), scales(r.scales);
-  std::tuple<at::Tensor, at::Tensor> out{x, residual ? *residual : at::Tensor()};
-  for (size_t l = 0; l < r.k_pools.size(); ++l) {
-    const std::optional<at::Tensor> res =
-        l == 0 ? residual : std::optional<at::Tensor>(std::get<1>(out));
-    out = decoder_layer(std::get<0>(out), res, r.norms[2 * l], r.norms[2 * l + 1],
-                        weights.slice(4 * l, 4), scales.empty() ? scales : scales.slice(4 * l, 4),
-                        opt(r.qkv_biases, l), opt(r.o_biases, l), opt(r.qk_norms, 2 * l),
-                        opt(r.qk_norms, 2 * l + 1), cos, sin, r.k_pools[l], r.v_pools[l], out_loc,
-                        slots, kv_lens, q_start, q_lens, r.scale, r.eps, r.heads, r.kv_heads,
-                        r.windows[l]);
-  }
-  return out;
+  // the first layer reads x and residual, every later one the pair before it, updated in place
+  const auto bf = x.options().dtype(at::kBFloat16);
+  at::Tensor y = at::empty(x.sizes(), bf), r2 = at::empty(x.sizes(), bf);
+  for (size_t l = 0; l < r.k_pools.size(); ++l)
+    layer_into(l == 0 ? x : y, l == 0 ? residual : std::optional<at::Tensor>(r2), r.norms[2 * l],
+               r.norms[2 * l + 1], weights.slice(4 * l, 4),
+               scales.empty() ? scales : scales.slice(4 * l, 4), opt(r.qkv_biases, l),
+               opt(r.o_biases, l), opt(r.qk_norms, 2 * l), opt(r.qk_norms, 2 * l + 1), cos, sin,
+               r.k_pools[l], r.v_pools[l], out_loc, slots, kv_lens, q_start, q_lens, r.scale,
+               r.eps, r.heads, r.kv_heads, r.windows[l], y.mutable_data_ptr<bf16>(),
+               r2.mutable_data_ptr<bf16>());
+  return {y, r2};
 }
 
 }  // namespace

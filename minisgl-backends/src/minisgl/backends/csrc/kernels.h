@@ -67,10 +67,11 @@ void linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor&
 void gated_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& packed,
                 const at::Tensor* scales, int64_t I, c10::BFloat16* act);
 
-// The paged_attention op (cpu_attention.cpp).
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const at::Tensor& slots, const at::Tensor& kv_lens,
-                           const at::Tensor& q_start, const at::Tensor& q_lens, double scale,
-                           int64_t window);
+// The paged_attention op (cpu_attention.cpp) on rows: q [T, H, head_dim] bf16 back to back, the
+// output likewise into `out`.
+void paged_attention_into(const c10::BFloat16* q, int64_t T, int64_t H, const at::Tensor& k,
+                          const at::Tensor& v, const at::Tensor& slots, const at::Tensor& kv_lens,
+                          const at::Tensor& q_start, const at::Tensor& q_lens, double scale,
+                          int64_t window, c10::BFloat16* out);
 
 }  // namespace minisgl
