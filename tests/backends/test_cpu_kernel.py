@@ -1171,6 +1171,47 @@ def test_decoder_layers_refuses_a_run_no_longer_bound() -> None:
         torch.ops.minisgl_cpu.decoder_layers(x, None, handle, cs, cs, *index)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_decoder_layers_few_rows_refuse_and_recover(threads: int) -> None:
+    """A few-row step's layers run as one team of threads (cpu_layer.cpp): with 1, 2 and 3
+    threads (each taking its share of the linears and the attention) the result is the
+    per-layer op's to the bit; a refusal inside the team (the second layer's pools of two
+    sizes) reaches the caller as the error it is, with no thread left waiting, and the next
+    step runs."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(threads)
+        hidden, d = 64, 32
+        ws = [torch.ops.minisgl_cpu.bf16_pack((torch.randn(n, k, generator=g) / 8).bfloat16())
+              for n, k in [(4 * d, hidden), (hidden, 2 * d), (128, hidden), (hidden, 64)]] * 2
+        norms = list((1 + 0.1 * torch.randn(4, hidden, generator=g)).bfloat16())
+        x = torch.randn(2, hidden, generator=g).bfloat16()
+        cs = torch.randn(2, d, generator=g).bfloat16()
+        index = (torch.tensor([5, 9]), torch.tensor([[1, 2, 3, 5], [6, 7, 8, 9]]),
+                 torch.tensor([4, 4]), torch.tensor([0, 1]), torch.tensor([1, 1]))
+        pools = torch.randn(2, 2, 1, 16, d, generator=g).bfloat16()  # [layer, k/v, ...]
+        bad = cpu_kernels.LayerRun(norms, ws, [], [], [], [], [pools[0, 0], pools[1, 0]],
+                                   [pools[0, 1], pools[1, 1, :, :8]], [0, 0], 0.2, 1e-5, 2, 1)
+        with pytest.raises(RuntimeError, match="k_pool, v_pool"):
+            cpu_kernels.decoder_layers(bad, x, None, cs, cs, *index)
+        got, want = pools.clone(), pools.clone()
+        run = cpu_kernels.LayerRun(norms, ws, [], [], [], [], list(got[:, 0]), list(got[:, 1]),
+                                   [0, 0], 0.2, 1e-5, 2, 1)
+        y, r = cpu_kernels.decoder_layers(run, x, None, cs, cs, *index)
+        wy, wr = x, None
+        for i in range(2):
+            wy, wr = cpu_kernels.decoder_layer(wy, wr, norms[2 * i], norms[2 * i + 1],
+                                               ws[4 * i:4 * i + 4], [], None, None, None, None,
+                                               cs, cs, want[i, 0], want[i, 1], *index, 0.2, 1e-5,
+                                               2, 1)
+        assert torch.equal(y, wy) and torch.equal(r, wr) and torch.equal(got, want)
+        assert not torch.equal(got, pools) and y.abs().sum() > 0
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize(("q_start", "q_lens", "match"), [
     ([0, 3], [2, 2], "follow each other"), ([1, 2], [1, 3], "follow each other"),
     ([0, 2], [2, 1], "add up to x's rows"), ([0, 4], [4, 0], "q_lens >= 1")])

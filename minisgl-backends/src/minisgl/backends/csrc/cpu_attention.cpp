@@ -1606,7 +1606,7 @@ void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, const at::Ten
   struct alignas(64) {
     std::atomic<int64_t> v{0};
   } next;
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  minisgl::parallel_chunks(threads, [&](int64_t, int64_t) {
     static thread_local std::vector<float> O, m, l;  // this thread's (each one's own)
     O.resize(QB * G * D), m.resize(QB * G), l.resize(QB * G);
     // (a thread claims its next run before it starts one, so that it knows the item after each

@@ -22,6 +22,7 @@
 // their sum, silu(g), the product with u), so the result is the eager layer's up to the order of
 // float32 sums.
 
+#include <ATen/Config.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -29,14 +30,18 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -319,6 +324,88 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   return {y, r2};
 }
 
+// A team: a few-row step's layers (a decode step of up to 15 requests) run inside one OpenMP
+// region, the calling thread working through them while the others wait, spinning, for the
+// parallel_chunks calls of its linears and attention. Why: ~150 parallel regions per batch-1
+// step, each ~1.3 us from the call to the threads' start (ATen's parallel_for, libgomp waking
+// the team with a futex call) and ~0.75 us of end barrier (another) by rdtsc around the GEMVs
+// (docs/benchmarks.md); a spin flag each way costs a cache line's transfer. Measured, the 30
+// layers of a batch-1 SmolLM2 step replayed, the two builds alternating call by call: 1.01x at
+// this host's slow reads, 1.03x at its fast ones; 4 requests 1.006x.
+struct alignas(64) Flag {
+  std::atomic<uint64_t> gen{0};
+};
+constexpr int64_t kMaxTeam = 64;
+// One wait on a flag: a pause, and from ~50 us on a yield too (more threads than cores: the
+// thread that would set the flag may need this one's core).
+inline void spin_pause(int64_t& spins) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+  if (++spins > (1 << 14)) std::this_thread::yield();
+}
+struct Team {
+  int64_t n = 0;                 // threads
+  Flag posted;                   // generation of the job below (or of the exit)
+  Flag done[kMaxTeam];           // the generation each thread has finished
+  const minisgl::ChunkFn* job = nullptr;
+  int64_t count = 0;
+  bool exit = false;
+  std::exception_ptr error[kMaxTeam];
+};
+thread_local Team* my_team = nullptr;  // the calling thread's, while it runs a team's body
+
+// thread t's chunk of 0 .. count, as at::parallel_for(0, count, 1, ...) makes them on n threads
+std::pair<int64_t, int64_t> chunk_of(int64_t count, int64_t n, int64_t t) {
+  const int64_t used = std::min(n, count), size = (count + used - 1) / used;
+  return {std::min(count, t * size), std::min(count, (t + 1) * size)};
+}
+
+// body() on this thread with the other threads of at::get_num_threads() as its team (or alone,
+// inside another parallel region or where OpenMP gives fewer threads).
+// (OpenMP's parallel_for only: its team starts every thread, so each one waits for work that
+// comes; a pool of tasks might never start a helper this thread then waits for.)
+template <class Body>
+void team_run(const Body& body) {
+  const int64_t n = at::get_num_threads();
+  if (!AT_PARALLEL_OPENMP || n == 1 || n > kMaxTeam || at::in_parallel_region()) {
+    body();
+    return;
+  }
+  Team team;
+  team.n = n;
+  at::parallel_for(0, n, 1, [&](int64_t t, int64_t end) {
+    if (t == 0) {
+      // exactly one index each: then all n threads are here (else a thread has two)
+      struct Release {  // even if body throws: the others must not wait forever
+        Team& team;
+        ~Release() {
+          my_team = nullptr;
+          team.exit = true;
+          team.posted.gen.fetch_add(1, std::memory_order_release);
+        }
+      } release{team};
+      if (end == 1) my_team = &team;
+      body();
+      return;
+    }
+    for (uint64_t seen = 0;;) {
+      uint64_t g;
+      for (int64_t spins = 0; (g = team.posted.gen.load(std::memory_order_acquire)) == seen;)
+        spin_pause(spins);
+      seen = g;
+      if (team.exit) return;
+      const auto [lo, hi] = chunk_of(team.count, team.n, t);
+      try {
+        if (lo < hi) (*team.job)(lo, hi);
+      } catch (...) {
+        team.error[t] = std::current_exception();
+      }
+      team.done[t].gen.store(seen, std::memory_order_release);
+    }
+  });
+}
+
 // A run of consecutive decoder layers (a model's, all of them) bound once: per layer l
 // norms[2l], norms[2l + 1] (input, post-attention), weights[4l .. 4l + 3] (qkv, o, gate_up, down),
 // their scales likewise (int8) or none, its qkv and o biases (one per layer, or none where the
@@ -402,18 +489,44 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   // the first layer reads x and residual, every later one the pair before it, updated in place
   const auto bf = x.options().dtype(at::kBFloat16);
   at::Tensor y = at::empty(x.sizes(), bf), r2 = at::empty(x.sizes(), bf);
-  for (size_t l = 0; l < r.k_pools.size(); ++l)
-    layer_into(l == 0 ? x : y, l == 0 ? residual : std::optional<at::Tensor>(r2), r.norms[2 * l],
+  auto layers = [&] {
+    for (size_t l = 0; l < r.k_pools.size(); ++l)
+      layer_into(l == 0 ? x : y, l == 0 ? residual : std::optional<at::Tensor>(r2), r.norms[2 * l],
                r.norms[2 * l + 1], weights.slice(4 * l, 4),
                scales.empty() ? scales : scales.slice(4 * l, 4), opt(r.qkv_biases, l),
                opt(r.o_biases, l), opt(r.qk_norms, 2 * l), opt(r.qk_norms, 2 * l + 1), cos, sin,
                r.k_pools[l], r.v_pools[l], out_loc, slots, kv_lens, q_start, q_lens, r.scale,
                r.eps, r.heads, r.kv_heads, r.windows[l], y.mutable_data_ptr<bf16>(),
                r2.mutable_data_ptr<bf16>());
+  };
+  // a few rows: one region for all the layers (their row work runs on this thread anyway)
+  if (x.dim() == 2 && x.size(0) < 16)
+    team_run(layers);
+  else
+    layers();
   return {y, r2};
 }
 
 }  // namespace
+
+void minisgl::parallel_chunks(int64_t count, ChunkFn fn) {
+  Team* team = my_team;
+  if (team == nullptr) {
+    at::parallel_for(0, count, 1, [&](int64_t lo, int64_t hi) { fn(lo, hi); });
+    return;
+  }
+  if (count <= 0) return;
+  team->job = &fn;
+  team->count = count;
+  const uint64_t gen = team->posted.gen.load(std::memory_order_relaxed) + 1;
+  team->posted.gen.store(gen, std::memory_order_release);
+  const auto [lo, hi] = chunk_of(count, team->n, 0);
+  if (lo < hi) fn(lo, hi);
+  for (int64_t t = 1, spins = 0; t < team->n; ++t)
+    while (team->done[t].gen.load(std::memory_order_acquire) != gen) spin_pause(spins);
+  for (int64_t t = 1; t < team->n; ++t)
+    if (team->error[t]) std::rethrow_exception(std::exchange(team->error[t], nullptr));
+}
 
 TORCH_LIBRARY_FRAGMENT(minisgl_cpu, m) {
   m.def("decoder_layer(Tensor x, Tensor? residual, Tensor in_norm, Tensor post_norm, "

@@ -602,9 +602,9 @@ void split(int64_t M, int64_t NB, int64_t MR, const Fn& fn, int64_t rows_each = 
   const bool many_rows = rows_each > 0 && M >= rows_each * threads;
   if ((NB >= 2 * threads || M <= MR) && !many_rows) {
     // each thread streams its own share of the weight once (whole blocks; x is shared)
-    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) { fn(0, M, b0, b1); });
+    minisgl::parallel_chunks(NB, [&](int64_t b0, int64_t b1) { fn(0, M, b0, b1); });
   } else {  // few output blocks, many rows: split the rows instead
-    at::parallel_for(0, (M + MR - 1) / MR, 1, [&](int64_t c0, int64_t c1) {
+    minisgl::parallel_chunks((M + MR - 1) / MR, [&](int64_t c0, int64_t c1) {
       fn(c0 * MR, std::min(c1 * MR, M), 0, NB);
     });
   }

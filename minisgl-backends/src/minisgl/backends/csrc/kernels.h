@@ -67,6 +67,26 @@ void linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor&
 void gated_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& packed,
                 const at::Tensor* scales, int64_t I, c10::BFloat16* act);
 
+// A reference to a callable fn(lo, hi), not owning it (no allocation, unlike std::function).
+class ChunkFn {
+ public:
+  template <class F>
+  ChunkFn(const F& f)  // NOLINT: converts from any such callable
+      : obj_(&f), call_([](const void* o, int64_t lo, int64_t hi) {
+          (*static_cast<const F*>(o))(lo, hi);
+        }) {}
+  void operator()(int64_t lo, int64_t hi) const { call_(obj_, lo, hi); }
+
+ private:
+  const void* obj_;
+  void (*call_)(const void*, int64_t, int64_t);
+};
+
+// fn(lo, hi) over 0 .. count in contiguous chunks, one per thread, as at::parallel_for(0, count,
+// 1, fn) splits it: inside cpu_layer.cpp's team (a few-row step's layers) handed to the team's
+// waiting threads through a spin flag each; elsewhere one OpenMP region (cpu_layer.cpp).
+void parallel_chunks(int64_t count, ChunkFn fn);
+
 // The paged_attention op (cpu_attention.cpp) on rows: q [T, H, head_dim] bf16 back to back, the
 // output likewise into `out`.
 void paged_attention_into(const c10::BFloat16* q, int64_t T, int64_t H, const at::Tensor& k,
