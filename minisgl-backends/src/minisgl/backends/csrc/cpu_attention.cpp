@@ -1442,14 +1442,15 @@ struct CallScratch {
 
 // out [T, H, D] = attention of q [T, H, D] (bf16 rows back to back) over the pool k, v; the rest
 // as the paged_attention op, whose checks of q's tensor the caller has made.
-void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, const at::Tensor& k,
-                    const at::Tensor& v, const at::Tensor& slots, const at::Tensor& kv_lens,
-                    const at::Tensor& q_start, const at::Tensor& q_lens, double scale,
-                    int64_t window, c10::BFloat16* op) {
+void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, int64_t Dq,
+                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                    const at::Tensor& kv_lens, const at::Tensor& q_start,
+                    const at::Tensor& q_lens, double scale, int64_t window, c10::BFloat16* op) {
   TORCH_CHECK(MINISGL_ATTN_ANY, "paged_attention needs AVX2 with FMA (or AVX512-BF16)");
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() &&
                   k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
-                  k.sizes() == v.sizes(), "k, v: contiguous bf16 [KVH, S, D] of one shape");
+                  k.sizes() == v.sizes(), "k, v: contiguous bfloat16 [KVH, S, D] of one shape");
+  TORCH_CHECK(k.size(2) == Dq, "head_dim / pool shapes differ");
   TORCH_CHECK(k.size(2) % 32 == 0 && k.size(2) <= 256, "head_dim must be a multiple of 32, <= 256");
   TORCH_CHECK(H % k.size(0) == 0 && H / k.size(0) <= 8,
               "query heads must be 1-8 times the kv heads");
@@ -1707,25 +1708,22 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const at::Tensor& slots, const at::Tensor& kv_lens,
                            const at::Tensor& q_start, const at::Tensor& q_lens, double scale,
                            int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q: [T, H, D]; k, v: [KVH, S, D]");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
-                  v.scalar_type() == at::kBFloat16, "q, k, v must be bfloat16");
-  TORCH_CHECK(q.size(2) == k.size(2) && k.sizes() == v.sizes(), "head_dim / pool shapes differ");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16,
+              "q: contiguous bfloat16 [T, H, D]");  // (k and v: attention_into)
   auto out = at::empty(q.sizes(), q.options());
-  attention_into(q.const_data_ptr<c10::BFloat16>(), q.size(0), q.size(1), k, v, slots, kv_lens,
-                 q_start, q_lens, scale, window, out.mutable_data_ptr<c10::BFloat16>());
+  attention_into(q.const_data_ptr<c10::BFloat16>(), q.size(0), q.size(1), q.size(2), k, v, slots,
+                 kv_lens, q_start, q_lens, scale, window, out.mutable_data_ptr<c10::BFloat16>());
   return out;
 }
 
 }  // namespace
 
-void minisgl::paged_attention_into(const c10::BFloat16* q, int64_t T, int64_t H,
+void minisgl::paged_attention_into(const c10::BFloat16* q, int64_t T, int64_t H, int64_t D,
                                    const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& slots, const at::Tensor& kv_lens,
                                    const at::Tensor& q_start, const at::Tensor& q_lens,
                                    double scale, int64_t window, c10::BFloat16* out) {
-  attention_into(q, T, H, k, v, slots, kv_lens, q_start, q_lens, scale, window, out);
+  attention_into(q, T, H, D, k, v, slots, kv_lens, q_start, q_lens, scale, window, out);
 }
 
 TORCH_LIBRARY(minisgl_cpu, m) {

@@ -296,7 +296,7 @@ void layer_into(
     }
   });
 
-  minisgl::paged_attention_into(q, M, heads, k_pool, v_pool, slots, kv_lens, q_start, q_lens,
+  minisgl::paged_attention_into(q, M, heads, D, k_pool, v_pool, slots, kv_lens, q_start, q_lens,
                                 scale, window, a);
   linear(1, a, NQ, o, H);
   if (o_b != nullptr) add_bias(o, o_b, M, H);

@@ -87,11 +87,12 @@ class ChunkFn {
 // waiting threads through a spin flag each; elsewhere one OpenMP region (cpu_layer.cpp).
 void parallel_chunks(int64_t count, ChunkFn fn);
 
-// The paged_attention op (cpu_attention.cpp) on rows: q [T, H, head_dim] bf16 back to back, the
-// output likewise into `out`.
-void paged_attention_into(const c10::BFloat16* q, int64_t T, int64_t H, const at::Tensor& k,
-                          const at::Tensor& v, const at::Tensor& slots, const at::Tensor& kv_lens,
-                          const at::Tensor& q_start, const at::Tensor& q_lens, double scale,
-                          int64_t window, c10::BFloat16* out);
+// The paged_attention op (cpu_attention.cpp) on rows: q [T, H, D] bf16 back to back, the output
+// likewise into `out` (the pools and index tensors checked there).
+void paged_attention_into(const c10::BFloat16* q, int64_t T, int64_t H, int64_t D,
+                          const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                          const at::Tensor& kv_lens, const at::Tensor& q_start,
+                          const at::Tensor& q_lens, double scale, int64_t window,
+                          c10::BFloat16* out);
 
 }  // namespace minisgl
