@@ -1,7 +1,7 @@
-"""The CPU backend's one-call decoder layers (minisgl_cpu::decoder_layers on a model's layers bound
-once, each layer as minisgl_cpu::decoder_layer) in a real engine: steps through it give the tokens and (but for the
-order of float32 sums) the logits of the model's own modules, for SmolLM2 in bf16 and int8 and
-for the family's variants (biases, q/k norms)."""
+"""The CPU backend's one-call decoder layers (minisgl_cpu::decoder_layers on a model's layers
+bound once, each layer as minisgl_cpu::decoder_layer) in a real engine: steps through it give the
+tokens and (but for the order of float32 sums) the logits of the model's own modules, for SmolLM2
+in bf16 and int8 and for the family's variants (biases, q/k norms)."""
 
 from __future__ import annotations
 
