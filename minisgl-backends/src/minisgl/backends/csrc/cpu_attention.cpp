@@ -176,6 +176,7 @@ struct Ahead {
 #if MINISGL_FAST
 
 using minisgl_vec::exp16;
+using minisgl_vec::exp2_16;
 
 // 16 x 16 transpose of 32-bit words, in place.
 __attribute__((always_inline)) inline void transpose16(__m512i* r) {
@@ -314,55 +315,66 @@ constexpr float kLaneLazy = 8.f;  // see lane_softmax
 // scalar exp and a branch per row (rows seeing keys [low, lim), lanes outside `act` none). P
 // goes to pt in key pairs, pt[jp] lane rr = (p of keys 2jp and 2jp + 1) in bf16, the operand of
 // lane_pv; where a row's reference max moves (below), its lane of OT (O transposed, D vectors)
-// is rescaled.
+// is rescaled. In base 2, as on tiles: scale2 = scale x log2 e, m in those units (run_item turns
+// a lane row's m back into natural units at the end), p = 2^(y - m) by exp2_16's 5 ops.
 inline void lane_softmax(__m512* st, int nk, int64_t kb, const int32_t* low, const int32_t* lim,
-                         bool all_see, __mmask16 act, float scale, float* m, float* l, float* OT,
+                         bool all_see, __mmask16 act, float scale2, float* m, float* l, float* OT,
                          int64_t D, __m512i* pt) {
   const __m512 neg_inf = _mm512_set1_ps(NEG_INF);
   const __m512i lowv = _mm512_loadu_si512(low), limv = _mm512_loadu_si512(lim);
-  const __m512 old = _mm512_mask_loadu_ps(neg_inf, act, m);
+  const __m512 old = _mm512_mask_loadu_ps(neg_inf, act, m), vscale = _mm512_set1_ps(scale2);
+  // every lane sees every key (prefill and extend away from the diagonal, a shared prefix's
+  // decode rows, no padding lane): no masks
+  const bool full = all_see && act == 0xFFFF;
   __mmask16 vis[KB];
-  __m512 mx = old;
+  __m512 raw = neg_inf;  // the block's max score per row (scale > 0: the max of y too)
   for (int j = 0; j < nk; ++j) {
     const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(kb + j));
     vis[j] = all_see ? act
                      : _mm512_mask_cmpgt_epi32_mask(_mm512_cmpge_epi32_mask(key, lowv), limv, key);
-    st[j] = _mm512_mask_mul_ps(neg_inf, vis[j], st[j], _mm512_set1_ps(scale));
-    mx = _mm512_max_ps(mx, st[j]);
+    raw = _mm512_max_ps(raw, full ? st[j] : _mm512_mask_mov_ps(neg_inf, vis[j], st[j]));
   }
+  const __m512 mx = _mm512_max_ps(old, _mm512_mul_ps(raw, vscale));
   // The reference each row's p are taken against (m) moves to the row's max only where that
-  // passes it by more than kLaneLazy (p up to e^8: exact enough in bf16, and a float32 sum of
+  // passes it by more than kLaneLazy (p up to 2^8: exact enough in bf16, and a float32 sum of
   // them cannot overflow), or on the row's first keys; only there are l and OT rescaled. Rows
-  // that have seen no key keep -inf, and 0 is subtracted there (their p are masked to 0).
+  // that have seen no key keep -inf, and 0 is subtracted there (their p are masked to 0, as
+  // are the lanes a row does not see, whose 2^(y - ref) may be anything).
   const __mmask16 first = act & _mm512_cmp_ps_mask(old, neg_inf, _CMP_EQ_OQ);
   const __mmask16 up = _mm512_mask_cmp_ps_mask(
       act & ~first, mx, _mm512_add_ps(old, _mm512_set1_ps(kLaneLazy)), _CMP_GT_OQ);
   const __mmask16 seen = (first & _mm512_cmp_ps_mask(mx, neg_inf, _CMP_NEQ_OQ)) | (act & ~first);
   const __m512 ref = _mm512_mask_mov_ps(old, up | first, mx);
   const __m512 base = _mm512_maskz_mov_ps(seen, ref);
-  __m512 sum = _mm512_setzero_ps();
-  for (int j = 0; j < nk; ++j) {  // p rounded to bf16 as P V takes them, and summed so
-    st[j] = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(
-        _mm512_maskz_mov_ps(vis[j], exp16(_mm512_sub_ps(st[j], base)))));
-    sum = _mm512_add_ps(sum, st[j]);
+  for (int j = 0; j < nk; ++j) {  // y - ref in one FMA
+    const __m512 p = exp2_16(_mm512_fmsub_ps(st[j], vscale, base));
+    st[j] = full ? p : _mm512_maskz_mov_ps(vis[j], p);
   }
   for (int j = nk; j < KB; ++j) st[j] = _mm512_setzero_ps();
+  // P in key pairs, rounded to bf16 as P V takes them, and the rows' sums of those p: a dot
+  // product of each pair with (1, 1) (products exact), one instruction per pair of keys instead
+  // of a conversion back to float32 and an add per key
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3F803F80);
+  __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int jp = 0; jp < KB / 2; ++jp) {
+    pt[jp] = _mm512_permutexvar_epi16(
+        pairs, (__m512i)_mm512_cvtne2ps_pbh(st[2 * jp + 1], st[2 * jp]));
+    sums[jp % 2] = _mm512_dpbf16_ps(sums[jp % 2], (__m512bh)pt[jp], ones);
+  }
+  const __m512 sum = _mm512_add_ps(sums[0], sums[1]);
   _mm512_mask_storeu_ps(m, act, ref);
-  if (up) {  // exp(old - ref) where the reference moved (l and OT are 0 on a row's first keys)
+  if (up) {  // 2^(old - ref) where the reference moved (l and OT are 0 on a row's first keys)
     const __m512 corr = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), up,
-                                           exp16(_mm512_sub_ps(old, base)));
+                                           exp2_16(_mm512_sub_ps(old, base)));
     _mm512_mask_storeu_ps(l, act, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(act, l), corr, sum));
     for (int64_t i = 0; i < D; ++i)
       _mm512_storeu_ps(OT + i * 16, _mm512_mul_ps(_mm512_loadu_ps(OT + i * 16), corr));
   } else {
     _mm512_mask_storeu_ps(l, act, _mm512_add_ps(_mm512_maskz_loadu_ps(act, l), sum));
   }
-  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                         16, 0);
-  for (int jp = 0; jp < KB / 2; ++jp)
-    pt[jp] = _mm512_permutexvar_epi16(
-        pairs, (__m512i)_mm512_cvtne2ps_pbh(st[2 * jp + 1], st[2 * jp]));
 }
 
 // OT += (P V)^T for 16 rows in lanes: OT[i] (dim i in vp's order) gets pt[jp] times key pair
@@ -416,6 +428,7 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
               int64_t S, int64_t G, int64_t D, float scale, int64_t window, float* O, float* m,
               float* l, Ahead& ahead, bool lanes) {
   const int64_t R = it.nq * G, P = D / 2, Z = D / 16;
+  const float scale2 = scale * minisgl_vec::kLog2e;  // the lane rows' softmax is in base 2
   constexpr int MR = QB * 8;  // rows of an item at most
   struct Scratch {
     alignas(64) __m512i kt[MAXD / 2];
@@ -473,7 +486,7 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
         const int64_t g = r0 / 16;
         qk_lanes(reinterpret_cast<const __m512i*>(qt[g]), krow, nk, P, s);
         lane_softmax(s, nk, kb, low32 + r0, lim32 + r0, see_from[g] <= kb && see_to[g] >= kb + nk,
-                     static_cast<__mmask16>((1u << nr) - 1), scale, m + r0, l + r0, O + r0 * D,
+                     static_cast<__mmask16>((1u << nr) - 1), scale2, m + r0, l + r0, O + r0 * D,
                      D, pt);
         lane_pv(pt, vp, D, O + r0 * D);
         continue;
@@ -512,7 +525,8 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     }
   }
   // The lane groups' OT back to rows of O, 16 dims at a time (through a copy: in place, rows
-  // would overwrite OT not yet read).
+  // would overwrite OT not yet read), and their m back in natural units.
+  for (int64_t r = 0; r < std::min(R, RL); ++r) m[r] *= std::numbers::ln2_v<float>;
   __m512 t[16];
   for (int64_t r0 = 0; r0 < RL; r0 += 16) {
     const int64_t nr = std::min<int64_t>(16, R - r0);
@@ -623,21 +637,6 @@ struct Blocks {
   std::vector<const uint16_t*> krow;
   const uint16_t* vt = nullptr;  // in memory kept by the calling thread for its next calls
 };
-
-// 2^t for finite t (the softmax's scores less their reference max; in lanes the caller masks
-// also large t, whose inf it drops): t = n + f, n = floor(t), 0 <= f < 1 in one vreduceps, 2^f
-// by a degree-3 polynomial (rel. err 7.5e-5, far below P's bf16 rounding, 2^-9; exp16's is
-// degree 6), 2^n by vscalefps, which floors t itself. 5 vector ops against exp16's 11 (no
-// clamp; the caller folds log2 e into its FMA). (Against n = round(t) and degree 4, 7 ops: the
-// 1024-token prefill's attention ~3% faster.)
-inline __m512 exp2_16(__m512 t) {
-  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 p = _mm512_set1_ps(7.802452892065048e-2f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.2606714069843292e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.958335638046265e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999251961708069e-1f));
-  return _mm512_scalef_ps(p, t);
-}
 
 // 16 vectors of 16 lanes each (u[i] lane n) to u[n] lane i.
 __attribute__((always_inline)) inline void transpose16(__m512* u) {
