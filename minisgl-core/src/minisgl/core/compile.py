@@ -12,13 +12,14 @@ Why it pays on CPU: a single-token step is ~1,000 small ops (norms, RoPE, residu
 casts) around the weight matmuls; Inductor fuses them into a few C++ loops. The matmuls
 themselves stay library calls (the CPU kernels' bf16 linear, oneDNN, int8, or aten).
 
-Compiling costs 35-60 s per bucket for SmolLM2 on 2 cores, and most of it is Python holding the
-GIL: on a thread of the serving process it would stall every eager step. So:
+Compiling costs 1-10 s per bucket for SmolLM2 on 2 cores where the decoder layers are one C++
+op (33-39 s with the PyTorch modules), and most of it is Python holding the GIL: on a thread of
+the serving process it would stall every eager step. So:
 
 * ``on``: a worker process (``python -m minisgl.core.compile``, the same engine config with a
   tiny KV pool, nice 10, killed with its parent) compiles every bucket into Inductor's on-disk
   cache and announces each one it finished; a background thread of the engine loads each from
-  there as it is announced (~3-7 s per bucket: cache hits), while the worker goes on with the
+  there as it is announced (0.2-2 s per bucket: cache hits), while the worker goes on with the
   next. Steps run eager until their bucket is ready, and stay eager where compilation failed
   (logged);
 * ``wait``: compile every bucket in-process before the engine serves (benchmarks, tests);
@@ -234,9 +235,10 @@ class StepGraphs:
         """The compile worker fills the on-disk cache, one graph after the other; each graph it
         announces is loaded here meanwhile (a cache hit), so that graphs come into use one by
         one, and a warm cache is walked by the two processes side by side, not one after the
-        other (SmolLM2's five graphs on 2 cores, warm cache: all ready ~40 s after start, the
-        batch-1 decode graph after 17 s; 56-63 s and 37 s when the engine waited for the worker
-        to exit, then loaded them all). Graphs the worker did not announce (it failed on them,
+        other (SmolLM2's five graphs on 2 cores with the PyTorch modules, warm cache: all
+        ready ~40 s after start, the batch-1 decode graph after 17 s; 56-63 s and 37 s when the
+        engine waited for the worker to exit, then loaded them all; with the C++ decoder layers
+        ~12 s, ~24 s from a cold cache). Graphs the worker did not announce (it failed on them,
         or exited) stay eager."""
         assert self._worker_config is not None
         cfg = dict(self._worker_config, compile="wait", num_pages=WORKER_NUM_PAGES)
