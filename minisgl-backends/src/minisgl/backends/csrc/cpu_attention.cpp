@@ -526,7 +526,7 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
   }
   // The lane groups' OT back to rows of O, 16 dims at a time (through a copy: in place, rows
   // would overwrite OT not yet read), and their m back in natural units.
-  for (int64_t r = 0; r < std::min(R, RL); ++r) m[r] *= std::numbers::ln2_v<float>;
+  for (int64_t r = 0; r < RL; ++r) m[r] *= std::numbers::ln2_v<float>;  // RL <= R
   __m512 t[16];
   for (int64_t r0 = 0; r0 < RL; r0 += 16) {
     const int64_t nr = std::min<int64_t>(16, R - r0);
