@@ -142,24 +142,31 @@ inline void row_ptrs(const uint16_t* kh, const uint16_t* vh, const int64_t* srow
   }
 }
 
-// row_ptrs, and prefetches. Pages are scattered in the pool: ask for the rows two blocks ahead
-// of use into L1, then the rows three blocks ahead into L2 (prefetcht2). Measured for 64 decode
-// requests x 1,104 keys on scattered pages (K/V from DRAM, AVX-512): L1 alone two ahead 5.9 ms,
-// three ahead 6.0, L2 alone 6.3-7.1, both 3.2-3.4 ms per layer (4.1 with the L2 loop first);
-// from cache (16 x 600 keys) unchanged.
+// row_ptrs, and prefetches. Pages are scattered in the pool: ask for the rows kL1Ahead blocks
+// ahead of use into L1, then the rows kL2Ahead blocks ahead into L2 (prefetcht2). Measured for
+// 64 decode requests x 1,104 keys on scattered pages (K/V from DRAM, AVX-512): L1 alone two
+// ahead 5.9 ms, three ahead 6.0, L2 alone 6.3-7.1, both (2 and 3 ahead) 3.2-3.4 ms per layer
+// (4.1 with the L2 loop first); from cache (16 x 600 keys) unchanged. Then 3 and 5 ahead (with
+// Ahead's kL2Ahead blocks), against 2 and 3 (Ahead 2): decode over 30 layers' pools in turn (K/V
+// from DRAM, 2 threads, the builds alternating in one process, 9 pairs) 64 x 80 keys 1.21x, 64
+// x 400 1.11x, 64 x 1,100 1.09x, 16 x 300 1.06x, 64 in 8 groups on a shared 1,024-key prefix
+// 1.07x, 1 x 500 1.0x; from cache, a 1,024-token prefill 0.98x, 16 extends of 64 1.03x.
+constexpr int kL1Ahead = 3, kL2Ahead = 5;
 inline void block_rows(const uint16_t* kh, const uint16_t* vh, const int64_t* srow, int64_t kb,
                        int nk, int64_t k1, int64_t D, const uint16_t** krow,
                        const uint16_t** vrow) {
   row_ptrs(kh, vh, srow, kb, nk, D, krow, vrow);
-  prefetch_rows<3>(kh, vh, srow, kb + 2 * KB, std::min(kb + 3 * KB, k1), D);
-  prefetch_rows<1>(kh, vh, srow, kb + 3 * KB, std::min(kb + 4 * KB, k1), D);
+  prefetch_rows<3>(kh, vh, srow, kb + kL1Ahead * KB, std::min(kb + (kL1Ahead + 1) * KB, k1), D);
+  prefetch_rows<1>(kh, vh, srow, kb + kL2Ahead * KB, std::min(kb + (kL2Ahead + 1) * KB, k1), D);
 }
 
-// The first keys of the item a thread runs next: their K and V rows prefetched into L2 a few at
-// a time while it runs this one (an item's own prefetch asks only for blocks two and three
-// ahead of the one it loads, so its first two blocks would wait on memory). 64 decode requests
-// (8 groups of a 1,024-key shared prefix, 80 keys each of their own) over 30 layers' pools
-// from memory: 35.9 -> 33.2 ms per step with two blocks ahead (one 33.8-34.3, four 34.2-35.8).
+// The first keys of the item a thread runs next (its first kL2Ahead blocks): their K and V rows
+// prefetched into L2 a few at a time while it runs this one (an item's own prefetch asks only
+// for blocks kL1Ahead and kL2Ahead ahead of the one it loads, so its first blocks would wait on
+// memory). 64 decode requests (8 groups of a 1,024-key shared prefix, 80 keys each of their
+// own) over 30 layers' pools from memory, when an item's own prefetch went 2 and 3 blocks
+// ahead: 35.9 -> 33.2 ms per step with two blocks (one 33.8-34.3, four 34.2-35.8); with 3 and
+// 5, kL2Ahead blocks (see block_rows).
 struct Ahead {
   const uint16_t *kh = nullptr, *vh = nullptr;
   const int64_t* srow = nullptr;
@@ -1621,7 +1628,7 @@ void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, int64_t Dq,
           const Item& nx = items[ni];
           ahead = {reinterpret_cast<const uint16_t*>(kp) + nx.h * S * D,
                    reinterpret_cast<const uint16_t*>(vp) + nx.h * S * D, sp + nx.b * Lk, nx.k0,
-                   std::min(nx.k1, nx.k0 + 2 * KB), D};
+                   std::min(nx.k1, nx.k0 + kL2Ahead * KB), D};
         }
         const int64_t prefix = kl[it.b] - ql[it.b];
         float* Ob = O.data();
