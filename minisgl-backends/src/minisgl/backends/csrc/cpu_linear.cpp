@@ -428,10 +428,12 @@ struct Args {
 };
 
 // y[0..MR) x [16 b0, 16 (b0 + NR)) for rows m .. m + MR. Also prefetches the pf_lines 64-byte
-// lines at pf, pf_per of them per pair of inputs, with prefetcht0 (to L1, so also L2): on AMD
-// Zen 4 4-12% faster than prefetcht1 (L2 only) from 16 to 1024 rows (a decode step's 121
-// SmolLM2 weights, 9 alternating passes, three sittings of the A/B: 32 rows 13.68 -> 12.86 ms,
-// 1024 rows 369 -> 356 ms).
+// lines at pf, pf_per of them per pair of inputs, with prefetcht2 (into L2). A prefetcht0 (into
+// L1) holds one of the L1's few miss buffers until its line comes from DRAM, so few rows, whose
+// panel is short work, waited on the stream: the two builds alternating in one process (AMD Zen
+// 4, a decode step's 121 SmolLM2 weights, 11 pairs) t2 against t0: 5 rows 1.25x, 6 1.35x, 8
+// 1.49x, 12 1.28x, 16 1.18x, 20 1.03x, 24 to 128 rows 1.0x. (An earlier host state had t0 4-12%
+// ahead of prefetcht1 from 16 to 1,024 rows.)
 // Gated (a.up > 0, AVX-512 only): NR / 2 output blocks from b0, each from the gate's block and
 // the up half's (a.up blocks on, where pf's lines are prefetched too), y = silu(g) * u with g
 // and u rounded to bf16 first, as the linear's output would be (gated_into's two passes, fused).
@@ -451,8 +453,8 @@ void micro(const Args& a, int64_t m, int64_t b0, const char* pf, int64_t pf_line
     typename F::Line wv[NR];
     for (int r = 0; r < NR; ++r) wv[r] = F::load(wp + r * bb + (r < H ? 0 : up));
     for (int64_t i = 0; i < pf_per && pf < pf_end; ++i, pf += 64) {
-      _mm_prefetch(pf, _MM_HINT_T0);
-      if constexpr (Gated) _mm_prefetch(pf + a.up * bb, _MM_HINT_T0);
+      _mm_prefetch(pf, _MM_HINT_T2);
+      if constexpr (Gated) _mm_prefetch(pf + a.up * bb, _MM_HINT_T2);
     }
     for (int i = 0; i < MR; ++i) {
       const typename F::X xv = F::bcast(x[i * K2 + p]);
@@ -685,7 +687,8 @@ void widen_block(const char* w, int64_t K2, float* out) {
 // widened (kPanel: wf, 128 bytes per pair) or still bf16 (the packed block at wb, converted as
 // it is loaded: 4 ops per pair for all MR rows, against 4 + 2 MR in micro<Bf16Format>). Also
 // prefetches pf_lines (at most K2) 64-byte lines at pf, one per pair (a chunk's share of the
-// next block, as micro), without a branch: with one, GCC 12 kept two copies of the loop and
+// next block, into L2 as micro does: this build on the Zen 4 host, t2 against t0, 5 rows 1.28x,
+// 8 1.29x, 16 1.18x, 24 1.09x, 64 1.0x), without a branch: with one, GCC 12 kept two copies of the loop and
 // stored all 12 accumulators to the stack on every pair of the prefetching one.
 template <int MR, bool kPanel>
 void micro_f32(const Args& a, const float* xf, int64_t m, const void* w, int64_t n,
@@ -701,7 +704,7 @@ void micro_f32(const Args& a, const float* xf, int64_t m, const void* w, int64_t
   };
   const int64_t pf_last = std::max<int64_t>(pf_lines - 1, 0);  // then the last line again
   for (int64_t p = 0; p < K2; ++p) {
-    _mm_prefetch(pf + std::min(p, pf_last) * 64, _MM_HINT_T0);
+    _mm_prefetch(pf + std::min(p, pf_last) * 64, _MM_HINT_T2);
     __m256 olo, ohi;
     if constexpr (kPanel) {
       olo = _mm256_loadu_ps(wf + p * 32), ohi = _mm256_loadu_ps(wf + p * 32 + 8);
