@@ -626,7 +626,8 @@ void rows(const Args& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
     chunks(a, m0, m1, kMR, next, lines,
            [&](int64_t m, int64_t mr, const char* pf, int64_t pf_lines, int64_t pf_per) {
 #if MINISGL_LINEAR_FAST
-             static constexpr auto kGated = gated_table<F>(std::make_integer_sequence<int, kMR * 2>{});
+             static constexpr auto kGated =
+                 gated_table<F>(std::make_integer_sequence<int, kMR * 2>{});
              if (a.up > 0) return kGated[(mr - 1) * 2 + (nr - 1)](a, m, b, pf, pf_lines, pf_per);
 #endif
              kMicro[(mr - 1) * kNR + (nr - 1)](a, m, b, pf, pf_lines, pf_per);
@@ -688,8 +689,8 @@ void widen_block(const char* w, int64_t K2, float* out) {
 // it is loaded: 4 ops per pair for all MR rows, against 4 + 2 MR in micro<Bf16Format>). Also
 // prefetches pf_lines (at most K2) 64-byte lines at pf, one per pair (a chunk's share of the
 // next block, into L2 as micro does: this build on the Zen 4 host, t2 against t0, 5 rows 1.28x,
-// 8 1.29x, 16 1.18x, 24 1.09x, 64 1.0x), without a branch: with one, GCC 12 kept two copies of the loop and
-// stored all 12 accumulators to the stack on every pair of the prefetching one.
+// 8 1.29x, 16 1.18x, 24 1.09x, 64 1.0x), without a branch: with one, GCC 12 kept two copies of
+// the loop and stored all 12 accumulators to the stack on every pair of the prefetching one.
 template <int MR, bool kPanel>
 void micro_f32(const Args& a, const float* xf, int64_t m, const void* w, int64_t n,
                const char* pf, int64_t pf_lines) {
