@@ -247,6 +247,14 @@ inline void store512(typename F::Acc acc, const float* sx, const float* sw, int6
     _mm256_mask_storeu_epi16(y + n, mask, h);
 }
 
+// The gated form's 16 outputs at y: silu(g) * u from the gate's and the up half's float32
+// results, each rounded to bf16 first as the linear's output would be.
+inline void store_gated(__m512 g, __m512 u, c10::BFloat16* y) {
+  auto rounded = [](__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); };
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y),
+                      (__m256i)_mm512_cvtneps_pbh(minisgl_vec::silu_mul16(rounded(g), rounded(u))));
+}
+
 // The two weight formats: how a line of the packed weight is loaded and multiplied with a
 // broadcast pair of x, and how an accumulator becomes float32 outputs.
 // Each format also says how the kernels tile (registers): kMR rows of x per microkernel call,
@@ -463,16 +471,14 @@ void micro(const Args& a, int64_t m, int64_t b0, const char* pf, int64_t pf_line
   }
 #if MINISGL_LINEAR_FAST
   if constexpr (Gated) {
-    auto rounded = [](__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); };
     for (int i = 0; i < MR; ++i)
       for (int r = 0; r < H; ++r) {
         const int64_t n = (b0 + r) * kLanes;
         const float* sw = a.sw == nullptr ? nullptr : a.sw + n;
-        const __m512 g = rounded(F::finish(acc[i][r], a.row_sx(m + i), sw, 0xFFFF));
-        const __m512 u = rounded(F::finish(acc[i][H + r], a.row_sx(m + i),
-                                           sw == nullptr ? nullptr : sw + a.up * kLanes, 0xFFFF));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m + i) * a.N + n),
-                            (__m256i)_mm512_cvtneps_pbh(minisgl_vec::silu_mul16(g, u)));
+        store_gated(F::finish(acc[i][r], a.row_sx(m + i), sw, 0xFFFF),
+                    F::finish(acc[i][H + r], a.row_sx(m + i),
+                              sw == nullptr ? nullptr : sw + a.up * kLanes, 0xFFFF),
+                    a.y + (m + i) * a.N + n);
       }
     return;
   }
@@ -862,15 +868,11 @@ inline void amx_store_row(const Args& a, int64_t m, int64_t i, int64_t n, const 
 }
 
 // The gated form (a.up > 0): y's row m + i, outputs n .. n + 15 = silu(g) * u from the gate's
-// sums (c, hi) and the up half's (cu, hu; its outputs n + 16 a.up ..), each rounded to bf16
-// first as the linear's output would be.
+// sums (c, hi) and the up half's (cu, hu; its outputs n + 16 a.up ..), as store_gated.
 inline void amx_gated_row(const Args& a, int64_t m, int64_t i, int64_t n, const float* c,
                           const int32_t* hi, const float* cu, const int32_t* hu) {
-  const __m512 g = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(amx_row(a, m, i, n, c, hi, 0xFFFF)));
-  const __m512 u = _mm512_cvtpbh_ps(
-      _mm512_cvtneps_pbh(amx_row(a, m, i, n + kLanes * a.up, cu, hu, 0xFFFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m + i) * a.N + n),
-                      (__m256i)_mm512_cvtneps_pbh(minisgl_vec::silu_mul16(g, u)));
+  store_gated(amx_row(a, m, i, n, c, hi, 0xFFFF),
+              amx_row(a, m, i, n + kLanes * a.up, cu, hu, 0xFFFF), a.y + (m + i) * a.N + n);
 }
 
 // bf16: x rows m .. m + 16 RT (RT = 1, 2 tiles of rows; `x` the first row of the group, `ld`
