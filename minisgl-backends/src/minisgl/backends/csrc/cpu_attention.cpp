@@ -12,9 +12,10 @@
 // Work items are (request, kv head, block of up to 16 queries, key split); a query block's rows
 // are its queries x the G query heads that share the kv head. Per item, keys go by in blocks of
 // 16: the block's K is transposed into bf16 pairs so that one vdpbf16ps per pair of dims gives
-// a row's 16 scores (no horizontal sums), the softmax is online (running max and sum per row,
-// float32), and P (rounded to bf16) times V uses vdpbf16ps over pairs of keys. Decode batches
-// with fewer items than threads split each request's keys (split-K) and merge the parts.
+// a row's 16 scores (no horizontal sums), the softmax is online (a reference max and a sum per
+// row, float32, in base 2), and P (rounded to bf16) times V uses vdpbf16ps over pairs of keys.
+// Decode batches with fewer items than threads split each request's keys (split-K) and merge
+// the parts.
 // Decode requests whose slot rows begin with the same slots (a prefix the radix cache shares)
 // form groups: items run the shared keys for the queries of up to 16 of them (split into pieces
 // only as far as the threads need), each request runs its own keys after, and the parts merge
@@ -293,33 +294,23 @@ inline __mmask16 lane_mask(int64_t hidden, int64_t visible) {
   return static_cast<__mmask16>(((1u << visible) - 1) & ~((1u << hidden) - 1));
 }
 
-// A row's online-softmax step to the new running max mx, with `sum` the sum of its new
-// exp(score - mx): the running sum and O's row (D floats) rescaled by exp(m - mx).
-inline void online_update(float& m, float& l, float mx, float sum, float* o, int64_t D) {
-  const float corr = m == mx         ? 1.f
-                     : m == NEG_INF ? 0.f
-                                    : _mm512_cvtss_f32(exp16(_mm512_set1_ps(m - mx)));
-  l = l * corr + sum;
-  m = mx;
-  if (corr != 1.f)
-    for (int64_t z = 0; z < D; z += 16)
-      _mm512_storeu_ps(o + z, _mm512_mul_ps(_mm512_loadu_ps(o + z), _mm512_set1_ps(corr)));
-}
-
 // Rows of an item in groups of 16 take qk_lanes, lane_softmax and lane_pv; a last group of
 // fewer than this many rows (a decode item's G rows, or 8 of a shared prefix's 24) takes the
 // per-row steps, whose cost grows with its rows rather than with the block's 16 lanes. Against
 // the per-row steps for every row (AMD Zen 4, one thread, SmolLM2's heads, alternating
 // processes): a 1,024-token prefill's attention 11.0 -> 8.4-8.8 ms, 16 extends of 64 tokens on
 // 1,088 keys 22.0 -> 17.9-18.1 ms; 64 decode queries in 8 groups on a shared 1,024-token prefix
-// 1.82-2.03 ms with a last group of 8 in lanes, 1.69-1.71 per row (docs/benchmarks.md).
-constexpr int kLaneRows = 9;
+// 1.82-2.03 ms with a last group of 8 in lanes, 1.69-1.71 per row (docs/benchmarks.md). Since
+// the per-row softmax keeps a lazy reference (run_item), 64 decode queries in groups of 4 on a
+// shared prefix (12 rows) run 1.05-1.08x faster per row than in lanes, in groups of 5 (15
+// rows) 1.07-1.11x slower (two builds alternating in one process, KV in cache and from DRAM).
+constexpr int kLaneRows = 13;
 constexpr float kLaneLazy = 8.f;  // see lane_softmax
 
 // The online-softmax step of 16 rows against one key block with the rows in lanes: st[j] lane
-// rr is row rr's score for key kb + j (qk_lanes' result), so the running max, the
-// sum and the rescale factor take one vector op per key instead of a horizontal reduction, a
-// scalar exp and a branch per row (rows seeing keys [low, lim), lanes outside `act` none). P
+// rr is row rr's score for key kb + j (qk_lanes' result), so the running max, the sum and the
+// rescale factor take one vector op per key for the 16 rows, where the per-row steps take a
+// few per row and block (rows seeing keys [low, lim), lanes outside `act` none). P
 // goes to pt in key pairs, pt[jp] lane rr = (p of keys 2jp and 2jp + 1) in bf16, the operand of
 // lane_pv; where a row's reference max moves (below), its lane of OT (O transposed, D vectors)
 // is rescaled. In base 2, as on tiles: scale2 = scale x log2 e, m in those units (run_item turns
@@ -445,11 +436,12 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     alignas(64) int32_t low32[MR], lim32[MR];
     alignas(64) int32_t qt[MR / 16][MAXD / 2][16];  // lane groups' queries (qk_lanes)
     alignas(64) float ot[MAXD * 16];                 // a lane group's OT, copied at the end
+    alignas(64) float lsum[MR][16];                  // per-row rows' sums of p, by lane
     std::vector<const int32_t*> qrow;
     std::vector<int64_t> qoff, lim, low;
   };
   static thread_local Scratch scratch;
-  auto& [kt, vp, pb, pt, low32, lim32, qt, ot, qrow, qoff, lim, low] =
+  auto& [kt, vp, pb, pt, low32, lim32, qt, ot, lsum, qrow, qoff, lim, low] =
       *minisgl::opaque(&scratch);
   qrow.resize(R);
   qoff.resize(R);
@@ -476,6 +468,7 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     }
   }
   std::fill(O, O + std::max(R, (RL + 15) / 16 * 16) * D, 0.f);
+  std::fill(&lsum[RL][0], &lsum[R][0], 0.f);
   const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * D;
   const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * D;
   const int64_t* srow = slots + it.b * Lk;
@@ -506,12 +499,26 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
           std::memset(pb[r], 0, sizeof(pb[r]));
           continue;
         }
+        // In base 2 against a reference, as lane_softmax: m[r] moves only on the row's first
+        // keys or where a score it sees passes it by more than kLaneLazy, and only then are its
+        // sums and O rescaled; the sums stay by lane (l[r] at the end): no horizontal max nor
+        // sum per block.
         const __mmask16 mask = lane_mask(hidden, visible);
-        __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_INF), mask,
-                                      _mm512_mul_ps(s[rr], _mm512_set1_ps(scale)));
-        const float mx = std::max(m[r], _mm512_reduce_max_ps(x));
-        __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(x, _mm512_set1_ps(mx))));
-        online_update(m[r], l[r], mx, _mm512_reduce_add_ps(p), O + r * D, D);
+        const __m512 y = _mm512_mul_ps(s[rr], _mm512_set1_ps(scale2));
+        if (m[r] == NEG_INF ||
+            _mm512_mask_cmp_ps_mask(mask, y, _mm512_set1_ps(m[r] + kLaneLazy), _CMP_GT_OQ)) {
+          const float mx = _mm512_mask_reduce_max_ps(mask, y);
+          if (m[r] != NEG_INF) {
+            const __m512 corr = exp2_16(_mm512_set1_ps(m[r] - mx));
+            _mm512_store_ps(lsum[r], _mm512_mul_ps(_mm512_load_ps(lsum[r]), corr));
+            for (int64_t z = 0; z < D; z += 16)
+              _mm512_storeu_ps(O + r * D + z, _mm512_mul_ps(_mm512_loadu_ps(O + r * D + z), corr));
+          }
+          m[r] = mx;
+        }
+        const __m512 p =
+            _mm512_maskz_mov_ps(mask, exp2_16(_mm512_sub_ps(y, _mm512_set1_ps(m[r]))));
+        _mm512_store_ps(lsum[r], _mm512_add_ps(_mm512_load_ps(lsum[r]), p));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(p));
       }
     }
@@ -531,9 +538,11 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
       }
     }
   }
-  // The lane groups' OT back to rows of O, 16 dims at a time (through a copy: in place, rows
-  // would overwrite OT not yet read), and their m back in natural units.
-  for (int64_t r = 0; r < RL; ++r) m[r] *= std::numbers::ln2_v<float>;  // RL <= R
+  // The per-row rows' sums, every row's m back in natural units, and the lane groups' OT back
+  // to rows of O, 16 dims at a time (through a copy: in place, rows would overwrite OT not yet
+  // read).
+  for (int64_t r = RL; r < R; ++r) l[r] = _mm512_reduce_add_ps(_mm512_load_ps(lsum[r]));
+  for (int64_t r = 0; r < R; ++r) m[r] *= std::numbers::ln2_v<float>;
   __m512 t[16];
   for (int64_t r0 = 0; r0 < RL; r0 += 16) {
     const int64_t nr = std::min<int64_t>(16, R - r0);
