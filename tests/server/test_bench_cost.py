@@ -32,10 +32,11 @@ def test_decode_bytes_count_the_checkpoint_weights(smollm2_path: str) -> None:
 
 
 class _FixedSpeed:
-    """A system whose decode takes ``ms`` per token after a 10 ms first token."""
+    """A system whose decode takes ``ms`` per token after a 10 ms first token (``decode_bytes``:
+    the weights a step of it reads, where its format is its own; None: the model's)."""
 
-    def __init__(self, name: str, ms: float) -> None:
-        self.name, self.ms = name, ms
+    def __init__(self, name: str, ms: float, decode_bytes: int | None = None) -> None:
+        self.name, self.ms, self.decode_bytes = name, ms, decode_bytes
 
     def run_offline(self, wl: Workload) -> tuple[int, float]:
         raise NotImplementedError
@@ -82,6 +83,28 @@ def test_latency_puts_decode_and_prefill_beside_what_was_measured_around_them(mo
         "(20.0 GB/s median)",
         *[f"latency: {name} prefill at {pct} of the matmul peak measured beside its runs (the "
           "higher of before and after each; 2,000 GFLOP/s median)" for name in ("fast", "slow")]]
+
+
+def test_latency_takes_a_system_own_weight_bytes_for_its_floor(monkeypatch) -> None:
+    """A system in a weight format of its own (llama.cpp's Q4_1 GGUF) says how many bytes a
+    decode step reads (``decode_bytes``); its floor and both fractions use those, the others
+    the model's cost (200 MB here)."""
+    monkeypatch.setattr(bench, "measure_read", lambda probe: 20e9)
+    monkeypatch.setattr(bench, "measure_matmul", lambda ceilings, device: 1e12)
+    monkeypatch.setattr(bench, "READ_PROBE_BYTES", 1 << 12)
+    cost = ModelCost(layer_params=60_000_000, lm_head_params=40_000_000, num_layers=2,
+                     attn_width=64, bytes_per_param=2)
+    systems = [_FixedSpeed("bf16", 8.0), _FixedSpeed("q4", 4.0, decode_bytes=50_000_000)]
+    rows = bench.bench_latency(systems, list(range(100, 200)), 0.1, 1, 0, cost,
+                               {"mem_read_bytes_per_s": 40e9, "matmul_flops": 1e12})
+    decode = {r.system: r for r in rows if r.metric == "decode ms/token"}
+    assert decode["bf16"].ceiling == pytest.approx(5.0)  # 200 MB at 40 GB/s
+    assert decode["bf16"].fraction_of_ceiling == pytest.approx(5.0 / 8.0)
+    assert decode["bf16"].details["fraction_of_read_beside"] == pytest.approx(10.0 / 8.0)
+    assert decode["q4"].ceiling == pytest.approx(1.25)  # 50 MB at 40 GB/s
+    assert decode["q4"].fraction_of_ceiling == pytest.approx(1.25 / 4.0)
+    assert decode["q4"].details["weight_bytes_per_token"] == 50_000_000
+    assert decode["q4"].details["fraction_of_read_beside"] == pytest.approx(2.5 / 4.0)
 
 
 def test_measure_matmul_reports_a_plausible_rate() -> None:

@@ -30,7 +30,9 @@ Every result is also put next to a ceiling measured in the same run: a matmul in
 GB/s). The read ceiling is the best of ten passes, and a shared machine's reads swing from minute
 to minute (40-75 GB/s within an hour on the 2-core VM of docs/benchmarks.md), so latency also
 reads memory right before and after each decode run and prints, below the table, each system's
-decode against the floor at that read ("beside"; the table keeps the ceiling's fraction). The
+decode against the floor at that read ("beside"; the table keeps the ceiling's fraction). A
+decode floor is the weights a system reads per token at that speed: the model's in minisgl's
+format (bf16, or int8 with ``--quantization int8``), llama.cpp's own GGUF (Q4_1) for it. The
 matmul swings too (1.2-2.1 TFLOP/s bf16 within a night on the 2-core AMX VM), so latency also
 multiplies right before and after each 1,024-token prefill and prints its fraction of the higher
 of the two.
@@ -433,6 +435,11 @@ class LlamaCppSystem:
                              n_threads_batch=threads, n_batch=1024, verbose=False)
         finally:
             llama_cpp.llama.llama_cpp.llama_model_default_params = defaults
+        # What one decode step reads, for its floor (not the bf16 model's): the GGUF's tensors
+        # (bundled SmolLM2: 96.6 MB, Q4_1 layers and a Q8_0 embedding that is also the LM head),
+        # by llama_model_size; else the file's size (its metadata, ~2% more, included).
+        model = getattr(self.llm, "_model", None)
+        self.decode_bytes = int(model.size()) if hasattr(model, "size") else os.path.getsize(gguf)
 
     def _generate(self, prompt: list[int], n_out: int) -> tuple[int, float | None, float]:
         """(tokens, seconds to the first, seconds in all)."""
@@ -530,7 +537,8 @@ def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, r
                   seed: int, cost: ModelCost, ceilings: dict[str, float],
                   device: torch.device = CPU) -> list[Row]:
     plen, n_out, long_len = _scaled(128, scale), max(2, _scaled(128, scale)), _scaled(1024, scale)
-    decode_ceiling_ms = cost.decode_bytes() / ceilings["mem_read_bytes_per_s"] * 1e3
+    # a system in a weight format of its own (llama.cpp's GGUF) says what a decode step reads
+    weights = {s.name: getattr(s, "decode_bytes", None) or cost.decode_bytes() for s in systems}
     prefill_ceiling = long_len / (cost.prefill_flops(0, long_len) / ceilings["matmul_flops"])
     runs: dict[str, dict[str, list[float]]] = {
         s.name: {"decode": [], "ttft": [], "prefill": [], "read": [], "matmul": []}
@@ -560,11 +568,12 @@ def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, r
     for name, got in runs.items():
         rows += [
             Row("latency", name, "decode ms/token", statistics.median(got["decode"]), False,
-                ceiling=decode_ceiling_ms, details={
+                ceiling=weights[name] / ceilings["mem_read_bytes_per_s"] * 1e3, details={
                     "runs": got["decode"], "output_tokens": n_out,
+                    "weight_bytes_per_token": weights[name],
                     "read_bytes_per_s_beside": got["read"],
                     "fraction_of_read_beside": statistics.median(
-                        cost.decode_bytes() / read * 1e3 / ms
+                        weights[name] / read * 1e3 / ms
                         for read, ms in zip(got["read"], got["decode"]))}),
             Row("latency", name, f"TTFT ms ({plen}-tok prompt)", statistics.median(got["ttft"]),
                 False, details={"runs": got["ttft"]}),
