@@ -31,8 +31,9 @@ GB/s). The read ceiling is the best of ten passes, and a shared machine's reads 
 to minute (40-75 GB/s within an hour on the 2-core VM of docs/benchmarks.md), so latency also
 reads memory right before and after each decode run and prints, below the table, each system's
 decode against the floor at that read ("beside"; the table keeps the ceiling's fraction). A
-decode floor is the weights a system reads per token at that speed: the model's in minisgl's
-format (bf16, or int8 with ``--quantization int8``), llama.cpp's own GGUF (Q4_1) for it. The
+system's decode floor is the bytes of weights it reads per token over the read's speed: the
+model's in minisgl's format (bf16, or int8 with ``--quantization int8``), for llama.cpp its own
+GGUF's (Q4_1). The
 matmul swings too (1.2-2.1 TFLOP/s bf16 within a night on the 2-core AMX VM), so latency also
 multiplies right before and after each 1,024-token prefill and prints its fraction of the higher
 of the two.
