@@ -58,8 +58,11 @@ class Pipeline:
 
     def __init__(self, ep: Endpoints, served_name: str, defaults: dict[str, Any]) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.pull = self.ctx.socket(zmq.PULL)
+        # Every scheduler step's text arrives here: a plain socket drained by an event-loop
+        # reader callback, without zmq.asyncio's future and callbacks per message.
+        self.pull = zmq.Context.shadow(self.ctx.underlying).socket(zmq.PULL)
         self.pull.bind(ep.api)
+        self._reader: tuple[asyncio.AbstractEventLoop, int] | None = None
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.connect(ep.tokenizer)
@@ -79,31 +82,57 @@ class Pipeline:
             and self.dead is None and not self.closing
 
     async def receive_forever(self) -> None:
-        while True:
-            msg = decode(await self.pull.recv())
-            if isinstance(msg, TextBatch):
-                for out in msg.items:
-                    queue = self.queues.get(out.rid)
-                    if queue is not None:
-                        queue.put_nowait(out)
-            elif isinstance(msg, Error):
-                queue = self.queues.get(msg.rid)
+        """Dispatch every message from the pipeline until cancelled."""
+        loop = asyncio.get_running_loop()
+        fd = self.pull.getsockopt(zmq.FD)
+        self._reader = (loop, fd)
+        loop.add_reader(fd, self._drain)
+        self._drain()  # what arrived before the reader was registered
+        try:
+            await loop.create_future()  # forever: the reader does the work
+        finally:
+            self._stop_reading()
+
+    def _stop_reading(self) -> None:
+        if self._reader is not None:
+            loop, fd = self._reader
+            self._reader = None
+            if not loop.is_closed():
+                loop.remove_reader(fd)
+
+    def _drain(self) -> None:
+        """Every message queued on the socket (its FD signals edges: read until none is left)."""
+        while self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            data = self.pull.recv(zmq.NOBLOCK)
+            try:
+                self.dispatch(decode(data))
+            except Exception as e:  # a bad message must not stop the others
+                print(f"minisgl api: dropped a message from the pipeline: {e!r}", flush=True)
+
+    def dispatch(self, msg: Any) -> None:
+        if isinstance(msg, TextBatch):
+            for out in msg.items:
+                queue = self.queues.get(out.rid)
                 if queue is not None:
-                    queue.put_nowait(msg)
-            elif isinstance(msg, Heartbeat):
-                self.last_heartbeat = time.monotonic()
-            elif isinstance(msg, Ready):
-                self.ready.add(msg.process)
-                self.last_heartbeat = time.monotonic()
-                if msg.process == "scheduler":
-                    self.info = ModelInfo(self.served_name, msg.info["max_model_len"],
-                                          self.defaults)
-            elif isinstance(msg, Stats):
-                fut = self.stats_waiters.pop(msg.qid, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg.stats)
-            elif isinstance(msg, Fatal):
-                self.fail(f"the {msg.process} process failed: {msg.message}")
+                    queue.put_nowait(out)
+        elif isinstance(msg, Error):
+            queue = self.queues.get(msg.rid)
+            if queue is not None:
+                queue.put_nowait(msg)
+        elif isinstance(msg, Heartbeat):
+            self.last_heartbeat = time.monotonic()
+        elif isinstance(msg, Ready):
+            self.ready.add(msg.process)
+            self.last_heartbeat = time.monotonic()
+            if msg.process == "scheduler":
+                self.info = ModelInfo(self.served_name, msg.info["max_model_len"],
+                                      self.defaults)
+        elif isinstance(msg, Stats):
+            fut = self.stats_waiters.pop(msg.qid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.stats)
+        elif isinstance(msg, Fatal):
+            self.fail(f"the {msg.process} process failed: {msg.message}")
 
     def submit(self, req: GenerateReq, queue: asyncio.Queue[Any]) -> None:
         self.queues[req.rid] = queue
@@ -126,6 +155,7 @@ class Pipeline:
             self.stats_waiters.pop(qid, None)
 
     def close(self) -> None:
+        self._stop_reading()
         self.pull.close(linger=0)
         self.push.close(linger=0)
         self.ctx.term()
@@ -166,8 +196,12 @@ async def read_json(request: Request, limit: int) -> Any:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
 
 
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+_json = msgspec.json.Encoder()
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event: compact UTF-8 JSON (msgspec; ~10x faster than ``json.dumps`` here)."""
+    return b"data: " + _json.encode(obj) + b"\n\n"
 
 
 @dataclass
@@ -178,6 +212,7 @@ class _Choice:
     index: int
     prompt_index: int
     text: list[str] = field(default_factory=list)
+    text_len: int = 0  # characters in ``text``
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
@@ -188,6 +223,7 @@ class _Choice:
 
     def absorb(self, out: TextOut) -> None:
         self.text.append(out.text)
+        self.text_len += len(out.text)
         self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs)
         self.finish_reason = out.finish_reason
@@ -333,7 +369,7 @@ class Generation:
             raise
         return early
 
-    async def stream(self, early: list[TextOut]) -> AsyncIterator[str]:
+    async def stream(self, early: list[TextOut]) -> AsyncIterator[bytes]:
         try:
             for msg in early:
                 for chunk in self.chunks(msg):
@@ -348,7 +384,7 @@ class Generation:
                     yield chunk
             if self.parsed.include_usage and self.kind != "generate":
                 yield sse(self.chunk_head() | {"choices": [], "usage": usage(list(self.choices.values()))})
-            yield "data: [DONE]\n\n"
+            yield b"data: [DONE]\n\n"
         finally:
             self.cancel()  # the client went away (or the server stops): free its KV pages
 
@@ -357,7 +393,7 @@ class Generation:
         return {"id": self.id, "object": obj, "created": self.created,
                 "model": self.pipe.served_name}
 
-    def chunks(self, msg: TextOut) -> list[str]:
+    def chunks(self, msg: TextOut) -> list[bytes]:
         c = self.choices[msg.rid]
         if self.kind == "generate":
             return [sse({"text": msg.text, "output_ids": msg.token_ids,
@@ -381,7 +417,7 @@ class Generation:
             c.started = True
             text = self.echo_text(c) + text
         if text or msg.finish_reason or msg.logprobs:
-            offset = len(self.echo_text(c)) + sum(len(t) for t in c.text) - len(msg.text)
+            offset = len(self.echo_text(c)) + c.text_len - len(msg.text)
             out.append(sse(self.chunk_head() | {"choices": [{
                 "index": c.index, "text": text,
                 "logprobs": completion_logprobs(msg.logprobs, offset) if self.parsed.logprobs

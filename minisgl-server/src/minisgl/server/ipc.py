@@ -40,6 +40,7 @@ class Sockets:
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind(own)
+        self._timeout = -1  # the pull socket's RCVTIMEO (ms); -1: block
         self.push: dict[str, zmq.Socket[bytes]] = {}
         for name, addr in peers.items():
             sock = self.ctx.socket(zmq.PUSH)
@@ -51,10 +52,18 @@ class Sockets:
         self.push[peer].send(encode(msg))
 
     def recv(self, timeout_ms: int) -> Any | None:
-        """The next message, or None after ``timeout_ms`` without one."""
-        if not self.pull.poll(timeout_ms):
+        """The next message, or None after ``timeout_ms`` without one. Called once per message
+        (and by the scheduler once per step): no Poller, a receive timeout instead."""
+        if timeout_ms == 0:
+            if not self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return None
+        elif timeout_ms != self._timeout:
+            self.pull.setsockopt(zmq.RCVTIMEO, timeout_ms)
+            self._timeout = timeout_ms
+        try:
+            return decode(self.pull.recv())
+        except zmq.Again:
             return None
-        return decode(self.pull.recv())
 
 
 def child_main(name: str, report_to: str | None, body: Callable[[], None]) -> None:
@@ -85,5 +94,10 @@ def child_main(name: str, report_to: str | None, body: Callable[[], None]) -> No
         sys.exit(1)
 
 
+_parent: list[int] = []  # MINISGL_PARENT_PID, read once
+
+
 def parent_alive() -> bool:
-    return os.getppid() == int(os.environ.get("MINISGL_PARENT_PID", os.getppid()))
+    if not _parent:
+        _parent.append(int(os.environ.get("MINISGL_PARENT_PID", os.getppid())))
+    return os.getppid() == _parent[0]
