@@ -305,15 +305,19 @@ class Generation:
             while not await request.is_disconnected():
                 await asyncio.sleep(0.25)
 
-        watcher = asyncio.ensure_future(watch_disconnect())
-        try:
+        async def absorb_all() -> None:
             while self.unfinished:
-                getter = asyncio.ensure_future(self.next_event())
-                await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    return None
-                getter.result()
+                await self.next_event()
+
+        # one task for all the events, not one per event (a task and a wait per token)
+        watcher = asyncio.ensure_future(watch_disconnect())
+        events = asyncio.ensure_future(absorb_all())
+        try:
+            await asyncio.wait({events, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not events.done():
+                events.cancel()
+                return None
+            events.result()  # an APIError from the pipeline
         finally:
             watcher.cancel()
             self.cancel()
