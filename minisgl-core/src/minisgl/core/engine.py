@@ -127,6 +127,9 @@ class Engine:
         # (overlap scheduling) can read its input tokens by slot. Slots are reused round-robin.
         self.future = torch.zeros(4 * config.max_running_requests + 8, dtype=torch.int64,
                                   device=self.device)
+        # on CPU, the same memory as a numpy array: a step's tokens are written through it
+        # (18-29 vs 46-64 us per batch-1 step for torch's index_put with a fresh index tensor)
+        self._future_np = self.future.numpy() if self.device.type == "cpu" else None
         self._next_future = 0
         self.graphs: StepGraphs | None = None
         # sampled rows a compiled prefill graph covers (None: any); more run eager
@@ -304,7 +307,10 @@ class Engine:
             out = self.sampler.sample(logits, views)
         if self.comm.world_size > 1:  # rank 0 samples; every rank gets the same tokens
             out = self._broadcast_sample(out if self.comm.rank == 0 else None, sample_reqs)
-        self.future[torch.tensor(future_slots, device=self.device)] = out.tokens.to(self.device)
+        if self._future_np is not None:
+            self._future_np[future_slots] = out.tokens.numpy()
+        else:
+            self.future[torch.tensor(future_slots, device=self.device)] = out.tokens.to(self.device)
         return out
 
     def _broadcast_sample(self, out: SampleOutput | None, reqs: list[Req]) -> SampleOutput:
