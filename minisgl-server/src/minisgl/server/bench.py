@@ -17,7 +17,8 @@ Workloads (``--scale`` multiplies every length, ``--num-requests`` the request c
   answers side by side (bench_quality.py).
 * ``burst``: 16 requests x 64 tokens (128-token prompts) at once: output tokens / wall time.
 * ``online``: the HTTP server (``minisgl serve``, started with the engine flags, or ``--url``)
-  under 1, 8 and 32 concurrent streaming clients; server over offline throughput (bench_serve.py).
+  under 1, 8 and 32 concurrent streaming clients; server over offline throughput, each level
+  also against an offline engine capped at that many running requests (bench_serve.py).
 
 ``--compare llama-cpp`` adds llama.cpp (llama-cpp-python on the GGUF the bundled model comes from,
 Q4_1, one request at a time) to offline-mixed, latency and burst.

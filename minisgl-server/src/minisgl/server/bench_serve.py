@@ -175,7 +175,9 @@ def _server_rows(c: int, m: dict[str, float], runs: list[dict[str, float]] | Non
 def bench_online(args: Any, system: Any, ids: list[int]) -> list[Row]:
     """``system`` is the in-process minisgl (MinisglSystem) for the offline reference.
 
-    The lower concurrency levels run once. The top level runs ``--repeats`` times (default 1),
+    The lower concurrency levels run once, each after the same requests on an offline engine
+    capped at that many running requests (``server/offline-maxC``: the serving overhead there;
+    at one client, what ``minisgl shell`` feels). The top level runs ``--repeats`` times (default 1),
     each time with fresh prompts of the same lengths, the offline engine, the capped one and
     the server back to back so that they share the machine's noise; its rows are medians (the
     ratios: medians of each repeat's ratio), every run's value in ``details``."""
@@ -202,11 +204,22 @@ def bench_online(args: Any, system: Any, ids: list[int]) -> list[Row]:
             full = offline_mixed(ids, args.num_requests, args.scale, args.data_seed + 1 + c)
             n = min(len(full.prompts), max(8, 2 * c))
             wl = Workload(full.name, full.prompts[:n], full.output_lens[:n])
+            # the serving overhead at this level: the same requests offline, at most c at once
+            low = _capped_engine(args, c)
+            if low is not None:
+                try:
+                    low_run = low.run_offline(wl)
+                finally:
+                    low.llm.close()
+                log(f"online: offline (max {c} running) {low_run[0] / low_run[1]:.1f} tok/s")
             log(f"online: {c} concurrent clients, {len(wl.prompts)} requests")
             m = summarize(*asyncio.run(_run_clients(url, wl, c)))
             log(f"online: c={c}: {m['output tok/s']:.1f} tok/s, TTFT p50 {m['TTFT p50 ms']:.0f} ms, "
                 f"TPOT p50 {m.get('TPOT p50 ms', 0):.1f} ms")
             rows += _server_rows(c, m)
+            if low is not None:
+                rows += _ratio_rows(c, f"minisgl-offline-max{c}", f"server/offline-max{c}",
+                                    [low_run], [m])
         runs: list[dict[str, float]] = []
         offline: list[tuple[int, float]] = []
         capped_runs: list[tuple[int, float]] = []
