@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -94,10 +95,11 @@ def child_main(name: str, report_to: str | None, body: Callable[[], None]) -> No
         sys.exit(1)
 
 
-_parent: list[int] = []  # MINISGL_PARENT_PID, read once
+@functools.cache
+def _parent_pid() -> int:
+    """MINISGL_PARENT_PID, read once (parent_alive runs once per message)."""
+    return int(os.environ.get("MINISGL_PARENT_PID", os.getppid()))
 
 
 def parent_alive() -> bool:
-    if not _parent:
-        _parent.append(int(os.environ.get("MINISGL_PARENT_PID", os.getppid())))
-    return os.getppid() == _parent[0]
+    return os.getppid() == _parent_pid()
