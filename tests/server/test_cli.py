@@ -66,3 +66,31 @@ def test_engine_flags_round_trip_threads() -> None:
     again = p.parse_args(engine_flags(args))
     assert engine_kwargs(again) == engine_kwargs(args)
     assert engine_kwargs(p.parse_args([]))["threads"] is None
+
+
+def test_bench_runs_on_a_checkpoint_without_a_tokenizer(tmp_path: os.PathLike[str]) -> None:
+    """``bench_tp --make-random`` and benchmarks.md's GPU workload use random checkpoints with no
+    tokenizer: prompts are token ids from the model's vocabulary, none of them end-of-sequence."""
+    import json
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from minisgl.server.bench import normal_token_ids
+
+    assert normal_token_ids(None, 10, (2, 7)) == [0, 1, 3, 4, 5, 6, 8, 9]
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model_dir = os.path.join(tmp_path, "random")
+    LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    assert not any("token" in name for name in os.listdir(model_dir))
+    out = os.path.join(tmp_path, "burst.json")
+    res = minisgl("bench", "burst", "--model", model_dir, "--compile", "off", "--scale", "0.1",
+                  "--repeats", "1", "--json", out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(out) as f:
+        rows = json.load(f)["results"]
+    assert [(r["workload"], r["system"]) for r in rows] == [("burst", "minisgl")]
+    assert rows[0]["value"] > 0

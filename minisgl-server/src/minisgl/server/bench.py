@@ -254,8 +254,12 @@ class ModelCost:
 # ---------------------------------------------------------------------------- workloads
 
 
-def normal_token_ids(tokenizer: Any, vocab_size: int) -> list[int]:
-    """Ids a random prompt may use: inside both vocabularies, no special or added tokens."""
+def normal_token_ids(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int] = ()) -> list[int]:
+    """Ids a random prompt may use: inside both vocabularies, no special or added tokens (a
+    checkpoint without a tokenizer, such as ``bench_tp --make-random``'s: every id of the model's
+    vocabulary but its end-of-sequence ids)."""
+    if tokenizer is None:
+        return [i for i in range(vocab_size) if i not in set(eos_ids)]
     special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
     return [i for i in range(min(vocab_size, len(tokenizer))) if i not in special]
 
@@ -730,8 +734,9 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
         systems.append(LlamaCppSystem(str(_locate_gguf()), args.threads or torch.get_num_threads()))
     if "hf" in peers:
         log("loading HF transformers model")
-        tok: Any = llm.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else llm.engine.model_config.eos_token_ids[0]
+        pad = getattr(llm.tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = llm.engine.model_config.eos_token_ids[0]
         systems.append(HFSystem(llm.engine.model_config.path, llm.engine.dtype, int(pad),
                                 args.hf_batch_size, llm.engine.device))
     return llm, systems
@@ -794,7 +799,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(machine_line(info, ceilings), flush=True)
     cost = ModelCost.from_config(llm.engine.model_config, llm.engine.dtype,
                                  llm.engine.config.quantization)
-    ids = normal_token_ids(llm.tokenizer, llm.engine.model_config.vocab_size)
+    mc = llm.engine.model_config
+    ids = normal_token_ids(llm.tokenizer, mc.vocab_size, mc.eos_token_ids)
     workloads = WORKLOADS if args.workload == "all" else (args.workload,)
     rows: list[Row] = []
     # One system at a time, HF first, each minisgl LLM closed after its turn: a thread that has
