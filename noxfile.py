@@ -1,6 +1,6 @@
 """The test matrix and the user-facing sessions.
 
-    nox                      # everything CI runs: per-package tests x attention backend, compiled decode, lint, typecheck, smoke
+    nox                      # everything CI runs: per-package tests x attention backend, compiled decode, the AVX2 kernels, lint, typecheck, smoke
     nox -s serve             # the main job: serve the bundled SmolLM2 on http://127.0.0.1:1919
     nox -s demo              # one chat answer from the offline engine
     nox -s bench             # minisgl vs HF (+ llama.cpp): numbers, JSON and PNG charts, not tests
@@ -23,7 +23,7 @@ PACKAGES = ["minisgl-core", "minisgl-models", "minisgl-backends", "minisgl-serve
 TEST_DEPS = ["pytest", "hypothesis", "gguf>=0.10", "accelerate>=1.0", "openai>=1.40", "httpx"]
 ENV = {"MINISGL_STRICT_PLUGINS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
-nox.options.sessions = ["tests", "tests-compiled", "lint", "typecheck", "smoke"]
+nox.options.sessions = ["tests", "tests-compiled", "tests-avx2", "lint", "typecheck", "smoke"]
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -98,6 +98,32 @@ def tests_compiled(session: nox.Session) -> None:
     env = dict(test_env(session, PYTHONS[0]), MINISGL_COMPILE="wait")
     args = session.posargs or ["tests/models/test_hf_reference.py",
                                "-k", "every_step_logits_match_hf and page16]"]
+    run_in(session, env, "pytest", *args, "-q")
+
+
+def _cpu_has(*flags: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next(x for x in f if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return set(flags) <= set(line.split(":", 1)[1].split())
+
+
+@nox.session(python=False, name="tests-avx2")
+def tests_avx2(session: nox.Session) -> None:
+    """The C++ kernels' AVX2 build (MINISGL_CPU_ISA=avx2: -march=x86-64-v3, what most laptops
+    run) on this CPU, AVX-512 or not: the kernel tests and the models' HF-reference, fused-layer,
+    int8, window and scheduling tests (not the int8 perplexity, ~1 min)."""
+    if not _cpu_has("avx2", "fma"):
+        session.skip("this CPU has no AVX2 with FMA")
+    env = dict(test_env(session, PYTHONS[0]), MINISGL_CPU_ISA="avx2")
+    args = session.posargs or [
+        "tests/backends/test_cpu_kernel.py",
+        *(f"tests/models/test_{name}.py" for name in ("hf_reference", "smollm2", "fused_layer",
+                                                       "quantization", "sliding_window",
+                                                       "prefix_scheduling")),
+        "-k", "not perplexity"]
     run_in(session, env, "pytest", *args, "-q")
 
 

@@ -8,7 +8,8 @@ with tail blocks) and through minisgl.core.layers.quant's layers, which must use
 kernels are loaded. The sampler's argmax and log-sum-exp against plain Python in float64.
 
 Every kernel runs on any x86 CPU with AVX2 and FMA (its AVX2 build, or the AVX-512 one where the
-CPU has AVX512-BF16), so every test here runs on both kinds of CPU.
+CPU has AVX512-BF16), so every test here runs on both kinds of CPU; with MINISGL_CPU_ISA=avx2 an
+AVX-512 CPU runs the AVX2 build (the nox session tests-avx2, which .ci/run runs).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def _cpu_flags() -> set[str]:
     return set(line.split(":", 1)[1].split())
 
 
-HAS_AVX512_BF16 = {"avx512_bf16", "avx512_vnni", "avx512bw"} <= _cpu_flags()
+HAS_AVX512_BF16 = {"avx512_bf16", "avx512_vnni", "avx512bw"} <= _cpu_flags() \
+    and cpu_kernels.isa() == "native"
 # AMX tiles: the AVX-512 build's linears use them where Linux grants them (5.16 on)
 HAS_AMX = HAS_AVX512_BF16 and {"amx_tile", "amx_bf16", "amx_int8"} <= _cpu_flags() \
     and os.environ.get("MINISGL_AMX", "on").lower() not in ("0", "off", "false", "no")
@@ -62,6 +64,21 @@ def test_kernel_builds_and_loads() -> None:
                                 else "avx2")
     assert ops.available()
     assert cpu_kernels.supports(torch.bfloat16, 9, 3, 64)
+
+
+def test_cpu_isa_picks_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MINISGL_CPU_ISA=avx2 compiles for x86-64-v3 (a library of its own in the cache); a value
+    it does not know is an error naming the variable."""
+    monkeypatch.setenv("MINISGL_CPU_ISA", "native")
+    native, native_dir = cpu_kernels.cflags(), cpu_kernels._cache_dir()
+    assert "-march=native" in native
+    monkeypatch.setenv("MINISGL_CPU_ISA", "AVX2")
+    assert "-march=x86-64-v3" in cpu_kernels.cflags()
+    assert "-march=native" not in cpu_kernels.cflags()
+    assert cpu_kernels._cache_dir() != native_dir
+    monkeypatch.setenv("MINISGL_CPU_ISA", "avx9")
+    with pytest.raises(ValueError, match="MINISGL_CPU_ISA"):
+        cpu_kernels.cflags()
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
