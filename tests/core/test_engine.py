@@ -190,7 +190,7 @@ def test_cpu_threads_split_among_local_ranks(tiny_llama: Path, monkeypatch: pyte
     from minisgl.core.tp import cpu_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("minisgl.core.tp.physical_cores", lambda: 8)
     one = EngineConfig(model=str(tiny_llama))
     two = EngineConfig(model=str(tiny_llama), tp_size=2)
     assert cpu_threads(one, 1) is None  # torch's own default
@@ -200,6 +200,26 @@ def test_cpu_threads_split_among_local_ranks(tiny_llama: Path, monkeypatch: pyte
     assert cpu_threads(EngineConfig(model=str(tiny_llama), device="cuda", tp_size=2), 2) is None
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
     assert cpu_threads(two, 2) is None  # the user's OpenMP setting wins over the split
+
+
+def test_physical_cores_count_smt_siblings_once(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake sysfs: 2 packages x 2 cores x 2 hardware threads, of which the process may use
+    CPUs 0-5 (both threads of cores (0, 0), (0, 1), (1, 0)); CPU 6 has no topology files."""
+    from minisgl.core.tp import physical_cores
+
+    layout = {0: ("0", "0"), 1: ("0", "0"), 2: ("0", "1"), 3: ("0", "1"), 4: ("1", "0"),
+              5: ("1", "0"), 7: ("1", "1")}
+    for cpu, (package, core) in layout.items():
+        topology = tmp_path / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text(package + "\n")
+        (topology / "core_id").write_text(core + "\n")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(6)))
+    assert physical_cores(str(tmp_path)) == 3
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 6})
+    assert physical_cores(str(tmp_path)) == 2  # core (0, 0) and CPU 6 on its own
+    assert physical_cores() >= 1  # this machine's
 
 
 def test_token_slice_equals_slicing_all_ids() -> None:

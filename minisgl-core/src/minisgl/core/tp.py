@@ -130,18 +130,38 @@ def follow(scheduler: Scheduler, channel: ControlChannel) -> None:
                 return
 
 
+def physical_cores(sysfs: str = "/sys/devices/system/cpu") -> int:
+    """The physical cores among the CPUs this process may run on: SMT siblings (a core's second
+    hardware thread) count once, as in torch's default thread count. Where Linux's topology
+    files are missing, every CPU counts."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else list(range(os.cpu_count() or 1))
+    cores: set[tuple[str, str]] = set()
+    for cpu in cpus:
+        topology = os.path.join(sysfs, f"cpu{cpu}", "topology")
+        try:
+            with open(os.path.join(topology, "physical_package_id")) as f:
+                package = f.read().strip()
+            with open(os.path.join(topology, "core_id")) as f:
+                cores.add((package, f.read().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return max(1, len(cores))
+
+
 def cpu_threads(config: EngineConfig, local_ranks: int) -> int | None:
     """Torch threads for a CPU rank (None: leave torch's default): ``config.threads``, else at
-    TP > 1 the cores split among the ``local_ranks`` ranks on this machine (unless
-    OMP_NUM_THREADS says otherwise). More threads than cores in total makes OpenMP teams wait on
-    each other (measured 20x slower decode with 3 ranks x 2 threads on 2 cores)."""
+    TP > 1 the physical cores split among the ``local_ranks`` ranks on this machine (unless
+    OMP_NUM_THREADS says otherwise), as many threads in all as torch gives one process. More
+    threads than cores in total makes OpenMP teams wait on each other (measured 20x slower
+    decode with 3 ranks x 2 threads on 2 cores)."""
     if config.torch_device.type != "cpu":
         return None
     if config.threads is not None:
         return config.threads
     if config.tp_size == 1 or "OMP_NUM_THREADS" in os.environ:
         return None
-    return max(1, (os.cpu_count() or 1) // local_ranks)
+    return max(1, physical_cores() // local_ranks)
 
 
 def start_rank(config: EngineConfig, addr: str, local_ranks: int = 1,
