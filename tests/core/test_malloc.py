@@ -63,3 +63,41 @@ def test_off_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setenv("MINISGL_MALLOC_TUNING", "off")
     assert keep_freed_memory() is False
+
+
+# 256 MiB in 2 MiB tensors (heap chunks under the engine's 32 MiB mmap threshold), freed: with
+# the engine's 512 MiB trim threshold the heap keeps them; return_free_memory gives them back.
+# Prints anonymous resident MiB after the frees and after the call.
+TRIM_PROBE = """
+import sys, torch
+from minisgl.core.engine import keep_freed_memory, return_free_memory
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon"):
+            return int(line.split()[1]) // 1024
+assert keep_freed_memory()
+ts = [torch.ones(1 << 19) for _ in range(128)]
+ts.append(torch.ones(1))  # a live chunk above them: malloc_trim must free pages mid-heap
+del ts[:128]
+kept = anon()
+assert return_free_memory()
+print(kept, anon())
+"""
+
+
+def test_freed_heap_goes_back_once_the_engine_is_built(tiny_llama: object,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """What loading freed does not stay with the process: ``return_free_memory`` hands freed
+    heap back (a probe in a fresh process), and the CPU engine calls it when it is built."""
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, text=True,
+                         timeout=120, check=True)
+    kept, after = (int(n) for n in out.stdout.split()[-2:])
+    assert kept - after >= 200, (kept, after)
+
+    from minisgl.core import engine as engine_mod
+    from minisgl.core.config import EngineConfig
+
+    calls: list[bool] = []
+    monkeypatch.setattr(engine_mod, "return_free_memory", lambda: calls.append(True) or True)
+    engine_mod.Engine(EngineConfig(model=str(tiny_llama), compile="off", num_pages=8))
+    assert calls == [True]

@@ -52,6 +52,18 @@ def keep_freed_memory() -> bool:
             and bool(mallopt(_M_TRIM_THRESHOLD, 512 << 20)))
 
 
+def return_free_memory() -> bool:
+    """glibc's ``malloc_trim(0)``: the heap memory freed so far back to the kernel. Loading frees
+    the checkpoint's tensors as their packed copies are made, and with ``keep_freed_memory``'s
+    512 MiB trim threshold that memory would stay with the process for good: after loading,
+    SmolLM2 762 -> 586 MiB of anonymous memory, a Qwen3-0.6B-shaped model 2,556 -> 1,725. The
+    engine calls it once, when it is built. True where it ran."""
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    ctypes.CDLL(None).malloc_trim(0)  # (1 where it gave memory back, else 0)
+    return True
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
@@ -145,6 +157,8 @@ class Engine:
             self.graphs = StepGraphs(self._forward, dims, dummy, config.max_running_requests,
                                      self._worker_config(), self.prefill_graph_rows, self.comm)
             self.graphs.start(wait=self.compile_mode == "wait")
+        if self.device.type == "cpu":
+            return_free_memory()  # what loading (and compiling, with "wait") freed
 
     def _worker_config(self) -> dict[str, Any]:
         """This engine's config as JSON-able fields, for the compile worker process."""
