@@ -838,6 +838,7 @@ def test_bf16_linear_in_quant_uses_the_kernel(monkeypatch: pytest.MonkeyPatch) -
     ops = torch.ops.minisgl_cpu
     assert quant._bf16_linear == (ops.bf16_pack.default, ops.bf16_linear.default,
                                   ops.bf16_linear_silu.default)
+    assert quant._bf16_rows is cpu_kernels.packed_rows
     with pytest.raises(ValueError, match="needs its linear"):
         quant.register_bf16_linear(ops.bf16_pack.default)
     g = torch.Generator().manual_seed(2)
@@ -867,6 +868,65 @@ def test_bf16_linear_in_quant_uses_the_kernel(monkeypatch: pytest.MonkeyPatch) -
     onednn_layer = layer()
     assert onednn_layer.packed_linear is None and onednn_layer.pack_token is not None
     torch.testing.assert_close(onednn_layer.matmul(x), want, atol=0.0625, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("n", [16, 72, 49152])
+def test_packed_rows_are_the_weight_rows(n: int) -> None:
+    """bf16_rows (cpu_kernels.packed_rows) gives back rows of the weight bf16_pack packed,
+    bit for bit, for ids of any shape (every id of the last block, padding rows after it, a
+    repeated id), eagerly and in a compiled graph; an id past the packed rows is an error."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, 96, generator=g).bfloat16()
+    packed = torch.ops.minisgl_cpu.bf16_pack(w)
+    ids = torch.randint(0, n, (3, 41), generator=g)
+    ids[0, :16] = torch.arange(n - 16, n)
+    ids[1, :5] = ids[1, 5]
+    assert torch.equal(cpu_kernels.packed_rows(packed, ids), w[ids])
+    one = torch.tensor([n - 1])
+    compiled = torch.compile(cpu_kernels.packed_rows, dynamic=True, fullgraph=True)
+    assert torch.equal(compiled(packed, ids[2]), w[ids[2]])
+    assert torch.equal(compiled(packed, one), w[one])
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu_kernels.packed_rows(packed, torch.tensor([packed.shape[0] * 16]))
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu_kernels.packed_rows(packed, torch.tensor([-1]))
+
+
+def test_tied_embedding_reads_the_packed_lm_head() -> None:
+    """An embedding tied to an LM head (one Parameter) keeps no float copy once the head is
+    prepacked for the kernel: both drop the weight, the embedding's rows come from the packed
+    copy and equal the weight's, and the head's logits are the kernel's. int8 keeps the float
+    embedding (its rows stay unquantized)."""
+    from minisgl.core.distributed import Communicator
+    from minisgl.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(100, 64, generator=g).bfloat16()
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            comm = Communicator(0, 1)
+            self.embed = VocabParallelEmbedding(100, 64, comm)
+            self.head = ParallelLMHead(100, 64, comm)
+            self.embed.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+            self.head.weight = self.embed.weight
+
+    ids = torch.tensor([[0, 99, 17], [17, 3, 64]])
+    model = Tied()
+    assert quant.prepack_model(model) == 1
+    assert model.embed.weight.numel() == 0 and model.head.weight.numel() == 0
+    assert model.embed.rows_packed is model.head.packed
+    assert torch.equal(model.embed(ids), w[ids])
+    x = torch.randn(4, 64, generator=g).bfloat16()
+    torch.testing.assert_close(model.head.compute_logits(x), F.linear(x, w), atol=0.0625,
+                               rtol=2 ** -7)
+    int8 = Tied()
+    assert quant.quantize_model_int8(int8) == 1
+    assert torch.equal(int8.embed.weight, w) and int8.embed.rows_packed is None
+    assert torch.equal(int8.embed(ids), w[ids])
 
 
 def test_bf16_linear_bad_inputs_are_refused() -> None:

@@ -17,7 +17,8 @@
   written; elsewhere the linear, then the product.
 - ``decoder_layer`` (cpu_layer.cpp): a Llama-family decoder layer of a step in one call
   (RMSNorm, QKV, RoPE, the K/V store, ``paged_attention``, O, residual, RMSNorm, gate-up, SiLU,
-  down), on weights packed by ``bf16_pack`` or ``int8_pack``; ``bind_layers`` / ``decoder_layers``:
+  down), on weights packed by ``bf16_pack`` or ``int8_pack``; ``bf16_rows``: rows of a packed
+  weight (a tied embedding's lookup, ``packed_rows``); ``bind_layers`` / ``decoder_layers``:
   a run of them bound once (``LayerRun``), then run in one call per step, which the CPU backend
   uses through ``minisgl.core.layers.register_fused_decoder_layers`` (torch_native.py says
   where); ``MINISGL_FUSED_LAYER=off`` turns that off.
@@ -162,7 +163,7 @@ def _load() -> bool:
     _register_fake()
     ops = torch.ops.minisgl_cpu
     register_bf16_linear(ops.bf16_pack.default, ops.bf16_linear.default,
-                         ops.bf16_linear_silu.default)
+                         ops.bf16_linear_silu.default, packed_rows)
     register_int8_linear(ops.int8_pack.default, ops.int8_linear.default,
                          ops.int8_linear_silu.default)
     register_argmax_logsumexp(ops.argmax_logsumexp.default)
@@ -185,6 +186,14 @@ def _build(library: Path) -> None:
         os.replace(Path(tmp) / f"{NAME}.so", library)
 
 
+def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (any shape) of the weight [N, K] that ``bf16_pack`` packed, exactly
+    (``bf16_rows``): what a tied embedding reads instead of keeping its own copy of the LM
+    head's weight."""
+    rows: torch.Tensor = torch.ops.minisgl_cpu.bf16_rows(packed, ids.reshape(-1))
+    return rows.reshape(*ids.shape, rows.shape[-1])
+
+
 def _register_fake() -> None:
     @torch.library.register_fake("minisgl_cpu::paged_attention")
     def _(q, k, v, slots, kv_lens, q_start, q_lens, scale,  # type: ignore[no-untyped-def]
@@ -202,6 +211,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("minisgl_cpu::decoder_layers")
     def _(x, residual, *rest):  # type: ignore[no-untyped-def]
         return torch.empty_like(x), torch.empty_like(x)
+
+    @torch.library.register_fake("minisgl_cpu::bf16_rows")
+    def _(packed, ids):  # type: ignore[no-untyped-def]
+        return packed.new_empty(ids.shape[0], packed.shape[1] * 2)
 
     @torch.library.register_fake("minisgl_cpu::bf16_linear")
     def _(x, w, n):  # type: ignore[no-untyped-def]

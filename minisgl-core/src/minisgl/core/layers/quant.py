@@ -90,20 +90,25 @@ def int8_rows_limit(model: nn.Module) -> int | None:
 
 Bf16Pack = Callable[[torch.Tensor], torch.Tensor]
 Bf16Linear = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+Bf16Rows = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _bf16_linear: tuple[Bf16Pack, Bf16Linear, Bf16Linear | None] | None = None
+_bf16_rows: Bf16Rows | None = None
 
 
 def register_bf16_linear(pack: Bf16Pack | None, linear: Bf16Linear | None = None,
-                         gated: Bf16Linear | None = None) -> None:
+                         gated: Bf16Linear | None = None, rows: Bf16Rows | None = None) -> None:
     """Prepack CPU bf16 weights with ``pack(weight [N, K]) -> packed`` (any layout, K even) and
     compute ``linear(x [M, K], packed, N) -> [M, N]`` for any M; None goes back to oneDNN.
     ``gated`` (optional), with the same arguments: ``silu(g) * u`` [M, N / 2] of that output's
-    halves, as for ``register_int8_linear``. Only weights converted afterwards use them. All
-    torch ops when compiled graphs are to call them."""
-    global _bf16_linear
+    halves, as for ``register_int8_linear``. ``rows`` (optional): ``rows(packed, ids) ->
+    weight[ids]`` [*ids.shape, K], exactly, so that an embedding tied to a packed LM head reads
+    its rows there and the float weight need not stay (``_convert_linears``). Only weights
+    converted afterwards use them. All torch ops when compiled graphs are to call them."""
+    global _bf16_linear, _bf16_rows
     if pack is not None and linear is None:
         raise ValueError("register_bf16_linear: a pack function needs its linear")
     _bf16_linear = None if pack is None or linear is None else (pack, linear, gated)
+    _bf16_rows = rows if _bf16_linear is not None else None
 
 
 def _kernel_can_pack(weight: torch.Tensor) -> bool:
@@ -176,6 +181,8 @@ class QuantizableLinear(nn.Module):
     pack_token: torch.Tensor | None = None  # stands for oneDNN's ``packed`` in compiled graphs
     # the registered kernel's gated form for ``packed`` (bf16) or ``qweight`` (int8), if it has one
     gated_linear: Bf16Linear | None = None
+    # the registered kernel's row lookup in ``packed`` (weight[ids]), if it has one
+    packed_rows: Bf16Rows | None = None
     gated_qlinear: Int8Linear | None = None
 
     def _drop_float(self, keep_float: bool) -> None:
@@ -187,7 +194,7 @@ class QuantizableLinear(nn.Module):
         self.packed_out = w.shape[0]
         if _bf16_linear is not None and _kernel_can_pack(w):
             pack, self.packed_linear, self.gated_linear = _bf16_linear
-            self.packed = pack(w)
+            self.packed, self.packed_rows = pack(w), _bf16_rows
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
             self.pack_token = _pack_token(self.packed)
@@ -242,15 +249,23 @@ class QuantizableLinear(nn.Module):
 
 def _convert_linears(model: nn.Module, convert: str) -> int:
     """Call ``convert`` (a QuantizableLinear method name) on every layer not converted yet;
-    returns how many. A weight shared with an embedding keeps its float copy."""
+    returns how many. A weight shared with an embedding (a tied LM head) keeps its float copy
+    for the embedding, unless the layer's packed copy can give the embedding its rows
+    (``packed_rows``, exact): then neither keeps it, a vocabulary x hidden matrix less (SmolLM2
+    56 MiB of 270, a Qwen3-0.6B-shaped model 297 MiB of 1,137). int8 keeps it: the embedding
+    stays unquantized."""
     from minisgl.core.layers.embedding import VocabParallelEmbedding
 
-    embeddings = {id(m.weight) for m in model.modules()
+    embeddings = {id(m.weight): m for m in model.modules()
                   if isinstance(m, VocabParallelEmbedding) and not isinstance(m, QuantizableLinear)}
     count = 0
     for m in list(model.modules()):
         if isinstance(m, QuantizableLinear) and m.qweight is None and m.packed is None:
-            getattr(m, convert)(keep_float=id(m.weight) in embeddings)
+            tied = embeddings.get(id(m.weight))
+            getattr(m, convert)(keep_float=tied is not None)
+            if tied is not None and m.packed is not None and m.packed_rows is not None:
+                tied.read_rows_from(m.packed, m.packed_rows)
+                m._drop_float(keep_float=False)
             count += 1
     return count
 
