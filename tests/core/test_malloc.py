@@ -51,11 +51,14 @@ def test_freed_memory_is_reused_not_faulted_in_again() -> None:
     """Memory that goes back to the kernel is faulted in again by every later step (the probe
     sees it: 3,075 faults per step with the threshold pinned); kept, none after the first step
     (a few allowed), with glibc's defaults and with the pinned threshold, which the engine's
-    mallopt overrides. The first step may still grow the heap once: 2,048 faults in about half
-    the runs in CI's non-editable install (none in an editable one)."""
+    mallopt overrides. The heap may still grow a tensor's worth once or twice, in any step: in
+    CI's non-editable install 2,048 faults in the first step in about half the runs, and once
+    1,024 in the second; so the two largest steps are left out, and the other eight must be
+    (nearly) free of faults, where the off switch faults in every step."""
     assert min(_faults("off", pinned=True)) >= 1024  # 4 MiB of 4 KiB pages: a tensor per step
-    assert sum(_faults("on", pinned=False)[1:]) <= 64
-    assert sum(_faults("on", pinned=True)[1:]) <= 64
+    for pinned in (False, True):
+        faults = _faults("on", pinned=pinned)
+        assert sum(sorted(faults)[:-2]) <= 64, faults
 
 
 def test_off_switch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -56,7 +56,7 @@ def return_free_memory() -> bool:
     """glibc's ``malloc_trim(0)``: the heap memory freed so far back to the kernel. Loading frees
     the checkpoint's tensors as their packed copies are made, and with ``keep_freed_memory``'s
     512 MiB trim threshold that memory would stay with the process for good: after loading,
-    SmolLM2 762 -> 586 MiB of anonymous memory, a Qwen3-0.6B-shaped model 2,556 -> 1,725. The
+    SmolLM2 762 -> 631 MiB of anonymous memory, a Qwen3-0.6B-shaped model 2,556 -> 1,730. The
     engine calls it once, when it is built. True where it ran."""
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
         return False

@@ -181,9 +181,9 @@ class QuantizableLinear(nn.Module):
     pack_token: torch.Tensor | None = None  # stands for oneDNN's ``packed`` in compiled graphs
     # the registered kernel's gated form for ``packed`` (bf16) or ``qweight`` (int8), if it has one
     gated_linear: Bf16Linear | None = None
+    gated_qlinear: Int8Linear | None = None
     # the registered kernel's row lookup in ``packed`` (weight[ids]), if it has one
     packed_rows: Bf16Rows | None = None
-    gated_qlinear: Int8Linear | None = None
 
     def _drop_float(self, keep_float: bool) -> None:
         if not keep_float:
