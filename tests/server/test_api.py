@@ -485,6 +485,33 @@ def test_completion_echo(client: openai.OpenAI, llm: LLM) -> None:
     assert texts == {0: c.text}
 
 
+def test_completion_echo_of_token_ids(client: openai.OpenAI, llm: LLM) -> None:
+    """Token-id prompts echo as the tokenizer decodes them (independently here: HF's decode),
+    in a batch beside a string prompt, with n, streamed or not; the offsets index the echo."""
+    ids = llm.tokenizer.encode(TEXTS[2])[:9]
+    decoded = llm.tokenizer.decode(ids, skip_special_tokens=True)
+    want = offline_text(llm, ids, greedy(4, ignore_eos=True)).text
+    want0 = offline_text(llm, TEXTS[0], greedy(4, ignore_eos=True)).text
+    kw: dict[str, Any] = dict(model=MODEL, temperature=0, max_tokens=4, echo=True,
+                              extra_body={"ignore_eos": True})
+    r = client.completions.create(prompt=[ids, TEXTS[0]], n=2, logprobs=1, **kw)
+    by_index = {c.index: c for c in r.choices}
+    assert [by_index[i].text for i in range(4)] == [decoded + want] * 2 + [TEXTS[0] + want0] * 2
+    lp = by_index[0].logprobs
+    assert lp.text_offset[0] == len(decoded)
+    # with ignore_eos the model writes <|im_end|>, which the text leaves out: it takes no place
+    hidden = set(llm.tokenizer.all_special_tokens)
+    assert hidden & set(lp.tokens), lp.tokens  # (so that this checks it)
+    ends = [*lp.text_offset[1:], len(by_index[0].text)]
+    for o, end, t in zip(lp.text_offset, ends, lp.tokens):
+        assert (o == end) if t in hidden else by_index[0].text[o:o + len(t)] == t
+    texts, _, _ = collect_stream(client.completions.create(prompt=ids, stream=True, **kw))
+    assert texts == {0: decoded + want}
+    plain = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=4,
+                                      extra_body={"ignore_eos": True})
+    assert plain.choices[0].text == want  # no echo unless asked
+
+
 def test_completion_echo_streamed_offsets(client: openai.OpenAI) -> None:
     kw: dict[str, Any] = dict(model=MODEL, prompt=TEXTS[0], temperature=0, max_tokens=4,
                               echo=True, logprobs=1, extra_body={"ignore_eos": True})
@@ -793,7 +820,6 @@ BAD = [
         "frequency_penalty", None, ()),
     bad("repetition_penalty-zero", "POST", CHAT, chat(repetition_penalty=0), 400,
         "repetition_penalty", None, ()),
-    bad("echo-with-token-ids", "POST", COMP, comp(prompt=[1, 2], echo=True), 400, "echo", None, ()),
     bad("suffix", "POST", COMP, comp(suffix="x"), 400, "suffix", None, ()),
     bad("best_of", "POST", COMP, comp(best_of=2), 400, "best_of", None, ()),
     bad("model-unknown", "POST", CHAT, chat(model="gpt-4"), 404, "model", "model_not_found",

@@ -13,13 +13,15 @@ def examples() -> list[m.Msg]:
                       top_logprobs=2, logprobs=True)
     out = m.TextOut(rid="r", text="é", token_ids=[1, 2],
                     logprobs=[m.LogprobEntry("a", -0.5, [97], [("a", -0.5, [97]), ("b", -1.0, [98])])],
-                    finish_reason="stop", prompt_tokens=3, completion_tokens=2, cached_tokens=1)
+                    finish_reason="stop", prompt_tokens=3, completion_tokens=2, cached_tokens=1,
+                    echo="a b")
     return [
         m.GenerateReq(rid="r", messages=[{"role": "user", "content": "hi"}], params=params,
                       stop=["\n"], field="messages"),
-        m.TokenizedReq(rid="r", input_ids=[1, 2, 3], params=params),
+        m.TokenizedReq(rid="r", input_ids=[1, 2, 3], params=params, echo="a b"),
+        m.GenerateReq(rid="r", input_ids=[1, 2], params=params, echo=True),
         m.Abort(rid="r"), m.StatsQuery(qid="q"),
-        m.Accepted(rid="r", prompt_tokens=3, stop=["x"], logprobs=True),
+        m.Accepted(rid="r", prompt_tokens=3, stop=["x"], logprobs=True, echo=""),
         m.TokenBatch(items=[m.TokenOut("r", [5], [-0.1], [[(5, -0.1), (6, -2.0)]], None, 0)]),
         out, m.TextBatch(items=[out]),
         m.Error(rid="r", status=400, message="temperature: must be >= 0", param="temperature"),
@@ -62,3 +64,21 @@ def test_params_carry_exactly_the_sampling_fields() -> None:
 
     wire = set(msgspec.structs.asdict(m.Params())) - {"logprobs"}
     assert wire == {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def test_echo_needs_a_tokenizer_for_token_ids() -> None:
+    """The tokenizer process turns echo's prompt into text: a string as sent, ids decoded; ids
+    on a model without a tokenizer fail with an error that names echo (the 400's param)."""
+    from minisgl.server.tokenizer_proc import echo_text
+
+    class Decoder:
+        def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+            return f"{ids}{skip_special_tokens}"
+
+    req = m.GenerateReq(rid="r", input_ids=[4, 5], params=m.Params(), echo=True)
+    assert echo_text(Decoder(), req, [4, 5]) == "[4, 5]True"
+    assert echo_text(Decoder(), m.GenerateReq(rid="r", text="hi", params=m.Params(), echo=True),
+                     [9]) == "hi"
+    assert echo_text(None, m.GenerateReq(rid="r", input_ids=[4], params=m.Params()), [4]) is None
+    with pytest.raises(ValueError, match=r"^echo: this model has no tokenizer"):
+        echo_text(None, req, [4, 5])

@@ -220,8 +220,11 @@ class _Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     started: bool = False  # streaming: the role delta was sent
+    echo: str = ""  # the prompt's text (echo), from the first TextOut
 
     def absorb(self, out: TextOut) -> None:
+        if out.echo is not None:
+            self.echo = out.echo
         self.text.append(out.text)
         self.text_len += len(out.text)
         self.token_ids.extend(out.token_ids)
@@ -251,7 +254,7 @@ def completion_logprobs(entries: list[Any], offset: int) -> dict[str, Any]:
     offsets = []
     for e in entries:
         offsets.append(offset)
-        offset += len(e.token)
+        offset += 0 if e.hidden else len(e.token)  # a hidden special token is not in the text
     return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{t: v for t, v, _ in e.top} for e in entries], "text_offset": offsets}
 
@@ -275,7 +278,7 @@ class Generation:
                 self.choices[rid] = _Choice(rid, p * parsed.n + i, p)
                 pipe.submit(GenerateReq(rid=rid, params=params, stop=parsed.stop,
                                         skip_special_tokens=parsed.skip_special_tokens,
-                                        **prompt), self.queue)
+                                        echo=parsed.echo, **prompt), self.queue)
 
     @property
     def unfinished(self) -> list[_Choice]:
@@ -337,17 +340,13 @@ class Generation:
                             "logprobs": chat_logprobs(c.logprobs) if self.parsed.logprobs else None,
                             "finish_reason": c.finish_reason})
             else:
-                echo = self.echo_text(c)
-                out.append({"index": c.index, "text": echo + text,
-                            "logprobs": completion_logprobs(c.logprobs, len(echo))
+                out.append({"index": c.index, "text": c.echo + text,
+                            "logprobs": completion_logprobs(c.logprobs, len(c.echo))
                             if self.parsed.logprobs else None,
                             "finish_reason": c.finish_reason})
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created,
                 "model": self.pipe.served_name, "choices": out, "usage": usage(choices)}
-
-    def echo_text(self, c: _Choice) -> str:
-        return str(self.parsed.prompts[c.prompt_index].get("text") or "") if self.parsed.echo else ""
 
     def meta(self, c: _Choice, entries: list[Any]) -> dict[str, Any]:
         """/generate's meta_info; logprobs as [token, logprob, [[token, logprob], ...]]."""
@@ -419,9 +418,9 @@ class Generation:
         text = msg.text
         if not c.started:
             c.started = True
-            text = self.echo_text(c) + text
+            text = c.echo + text
         if text or msg.finish_reason or msg.logprobs:
-            offset = len(self.echo_text(c)) + c.text_len - len(msg.text)
+            offset = len(c.echo) + c.text_len - len(msg.text)
             out.append(sse(self.chunk_head() | {"choices": [{
                 "index": c.index, "text": text,
                 "logprobs": completion_logprobs(msg.logprobs, offset) if self.parsed.logprobs
@@ -449,8 +448,6 @@ def build_app(pipe: Pipeline, api_key: str | None = None,
             parse = {"chat": parse_chat, "completion": parse_completion,
                      "generate": parse_generate}[kind]
             parsed = parse(body, pipe.info)
-            if parsed.echo and any("text" not in p for p in parsed.prompts):
-                raise APIError(400, "echo: needs string prompts", "echo")
             gen = Generation(pipe, parsed, kind)
             if not parsed.stream:
                 result = await gen.collect(request)

@@ -30,6 +30,7 @@ class _State:
     prompt_tokens: int
     logprobs: bool
     skip_special: bool
+    echo: str | None  # sent with the first TextOut, then None
     tokens: int = 0  # completion tokens so far
 
 
@@ -52,7 +53,7 @@ class Detokenizer:
             text = None if self.tokenizer is None else TextStream(
                 self.tokenizer, msg.stop, msg.skip_special_tokens)
             self.states[msg.rid] = _State(text, msg.prompt_tokens, msg.logprobs,
-                                          msg.skip_special_tokens)
+                                          msg.skip_special_tokens, msg.echo)
         elif isinstance(msg, TokenBatch):
             outs = []
             for item in msg.items:
@@ -95,16 +96,18 @@ class Detokenizer:
             if finish == "stop" and ids and st.skip_special and ids[-1] in self.special_ids:
                 shown = ids[:-1]  # the hidden EOS: entries join to the text
             tops = item.top_logprobs or [[] for _ in ids]
+            hide = self.special_ids if st.skip_special else set()
             entries = [LogprobEntry(self.text_of(tok), lp, token_bytes(self.tokenizer, tok),
                                     [(self.text_of(t), v, token_bytes(self.tokenizer, t))
-                                     for t, v in top])
+                                     for t, v in top], tok in hide)
                        for tok, lp, top in zip(shown, item.logprobs, tops)]
         st.tokens += len(ids)
         if finish is not None:
             del self.states[item.rid]
+        echo, st.echo = st.echo, None
         return TextOut(rid=item.rid, text=delta, token_ids=ids, logprobs=entries,
                        finish_reason=finish, prompt_tokens=st.prompt_tokens,
-                       completion_tokens=st.tokens, cached_tokens=item.cached_tokens)
+                       completion_tokens=st.tokens, cached_tokens=item.cached_tokens, echo=echo)
 
 
 def run(ep: Endpoints, model_path: str) -> None:

@@ -53,6 +53,7 @@ class GenerateReq(Msg, kw_only=True):
     stop: list[str] = []  # stop strings, cut from the text (detokenizer)
     skip_special_tokens: bool = True
     field: str = "prompt"  # request field named in errors about the prompt
+    echo: bool = False  # completions' echo: the prompt's text comes back with the first output
 
 
 class TokenizedReq(Msg, kw_only=True):
@@ -64,6 +65,7 @@ class TokenizedReq(Msg, kw_only=True):
     stop: list[str] = []
     skip_special_tokens: bool = True
     field: str = "prompt"
+    echo: str | None = None  # the prompt's text, to send back (GenerateReq.echo)
 
 
 class Abort(Msg, kw_only=True):
@@ -84,6 +86,7 @@ class Accepted(Msg, kw_only=True):
     stop: list[str] = []
     skip_special_tokens: bool = True
     logprobs: bool = False
+    echo: str | None = None
 
 
 class TokenOut(msgspec.Struct, array_like=True):
@@ -106,6 +109,7 @@ class LogprobEntry(msgspec.Struct, array_like=True):
     logprob: float
     bytes: list[int]  # the token's raw bytes (may be part of a UTF-8 character)
     top: list[tuple[str, float, list[int]]]  # (token, logprob, bytes), most likely first
+    hidden: bool = False  # a special token the text leaves out (skip_special_tokens)
 
 
 class TextOut(Msg, kw_only=True):
@@ -119,6 +123,7 @@ class TextOut(Msg, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0  # so far
     cached_tokens: int = 0
+    echo: str | None = None  # the prompt's text, on a request's first TextOut when asked
 
 
 class TextBatch(Msg, kw_only=True):

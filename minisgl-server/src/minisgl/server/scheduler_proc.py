@@ -89,7 +89,7 @@ class SchedulerServer:
             return
         self.socks.send("detokenizer", Accepted(
             rid=msg.rid, prompt_tokens=n, stop=msg.stop,
-            skip_special_tokens=msg.skip_special_tokens, logprobs=p.logprobs))
+            skip_special_tokens=msg.skip_special_tokens, logprobs=p.logprobs, echo=msg.echo))
         self.reqs[msg.rid] = req
         self.sent[msg.rid] = 0
         self.rid_of[req.rid] = msg.rid

@@ -23,6 +23,18 @@ def tokenize(tokenizer: Any, req: GenerateReq) -> list[int]:
     return list(tokenizer.encode(req.text or ""))
 
 
+def echo_text(tokenizer: Any, req: GenerateReq, ids: list[int]) -> str | None:
+    """The prompt as text for ``echo``: as sent, or token ids decoded (special tokens as the
+    request's skip_special_tokens says, like its output)."""
+    if not req.echo:
+        return None
+    if req.text is not None:
+        return req.text
+    if tokenizer is None:
+        raise ValueError("echo: this model has no tokenizer to turn the prompt's ids into text")
+    return str(tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens))
+
+
 def run(ep: Endpoints, model_path: str) -> None:
     def body() -> None:
         tokenizer = load_tokenizer(model_path)
@@ -33,6 +45,7 @@ def run(ep: Endpoints, model_path: str) -> None:
             if isinstance(msg, GenerateReq):
                 try:
                     ids = tokenize(tokenizer, msg)
+                    echo = echo_text(tokenizer, msg, ids)
                 except ValueError as e:
                     field = str(e).split(":", 1)[0]
                     socks.send("api", Error(rid=msg.rid, status=400, message=str(e), param=field))
@@ -43,7 +56,7 @@ def run(ep: Endpoints, model_path: str) -> None:
                     continue
                 socks.send("scheduler", TokenizedReq(
                     rid=msg.rid, input_ids=ids, params=msg.params, stop=msg.stop,
-                    skip_special_tokens=msg.skip_special_tokens, field=msg.field))
+                    skip_special_tokens=msg.skip_special_tokens, field=msg.field, echo=echo))
             elif isinstance(msg, (Abort, StatsQuery)):  # same path as requests: stays in order
                 socks.send("scheduler", msg)
 
