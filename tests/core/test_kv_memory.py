@@ -63,3 +63,26 @@ def test_pool_is_resident_only_where_written(tiny_llama: Path) -> None:
     assert built - start < 16, (start, built)
     assert 20 < written - built < 40, (built, written)
     assert engine_after - engine_before < 256, (engine_before, engine_after)
+
+
+def test_a_pool_larger_than_the_machine_is_refused(tiny_llama: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Lazily resident, a pool past the machine's memory would start and die later: the engine
+    refuses it naming the setting, and warns where it exceeds what is available now."""
+    from minisgl.core import kvcache
+    from minisgl.core.config import EngineConfig
+    from minisgl.core.engine import Engine
+
+    info = kvcache.memory_info()
+    assert info is not None and 0 < info[1] <= info[0]
+    with pytest.raises(ValueError, match=r"^kv_cache_memory: the KV pool would take 1048576\.0 "
+                                         r"GiB, more than this machine's"):
+        Engine(EngineConfig(model=str(tiny_llama), compile="off", kv_cache_memory=1 << 50))
+    with pytest.raises(ValueError, match=r"^num_pages: the KV pool would take"):
+        Engine(EngineConfig(model=str(tiny_llama), compile="off", num_pages=1 << 40))
+    # between available and total: a warning, and the engine is built
+    per_page = 2 * 2 * 16 * 2 * 16 * 2  # layers, K/V, page, kv heads, head dim, bf16
+    kvcache.check_pool_fits(info[0], "kv_cache_memory")
+    assert "may kill the process" in caplog.text or info[0] <= info[1]
+    engine = Engine(EngineConfig(model=str(tiny_llama), compile="off", num_pages=64))
+    assert engine.kv.num_bytes == 64 * per_page

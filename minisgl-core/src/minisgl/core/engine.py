@@ -19,7 +19,7 @@ from minisgl.core.attention import AttentionBackend, BatchLayout, ForwardContext
 from minisgl.core.compile import DUMMY_KV_LEN, DynamicDims, StepGraphs, resolve_mode
 from minisgl.core.config import EngineConfig, ModelConfig, resolve_dtype
 from minisgl.core.distributed import Communicator, bind
-from minisgl.core.kvcache import KVPool, PageAllocator, ReqToTokenTable
+from minisgl.core.kvcache import KVPool, PageAllocator, ReqToTokenTable, check_pool_fits
 from minisgl.core.layers.quant import int8_rows_limit, prepack_model, quantize_model_int8
 from minisgl.core.model import CausalLM
 from minisgl.core.plugins import PluginManager, get_plugin_manager
@@ -118,6 +118,9 @@ class Engine:
         kv_heads = mc.num_kv_heads // tp if mc.num_kv_heads >= tp else 1
         per_page = KVPool.bytes_per_page(mc, page, kv_heads, self.dtype)
         num_pages = config.num_pages or max(2, config.kv_cache_memory // per_page)
+        if self.device.type == "cpu":
+            check_pool_fits(num_pages * per_page,
+                            "num_pages" if config.num_pages else "kv_cache_memory")
         self.kv = KVPool(mc.num_layers, num_pages, page, kv_heads, mc.head_dim, self.dtype,
                          self.device)
         self.allocator = PageAllocator(num_pages)

@@ -6,6 +6,7 @@ scratch page that padded (bucketed) tokens may write to, so it is never handed o
 
 from __future__ import annotations
 
+import logging
 import mmap
 
 import torch
@@ -68,6 +69,36 @@ def _lazy_zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[
     maps = (mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             for _ in range(count))
     return [torch.frombuffer(m, dtype=dtype).view(shape) for m in maps]  # keeps its map alive
+
+
+def memory_info() -> tuple[int, int] | None:
+    """(MemTotal, MemAvailable) in bytes from /proc/meminfo; None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return (int(fields["MemTotal"].split()[0]) * 1024,
+                int(fields["MemAvailable"].split()[0]) * 1024)
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_pool_fits(num_bytes: int, field: str) -> None:
+    """A CPU pool is resident only where written, so one larger than the machine's memory would
+    start and then be killed by the kernel as requests fill it: refuse it up front (``field``
+    names the setting), and warn where it is more than the memory available now."""
+    info = memory_info()
+    if info is None:
+        return
+    total, available = info
+    gib = num_bytes / (1 << 30)
+    if num_bytes > total:
+        raise ValueError(f"{field}: the KV pool would take {gib:.1f} GiB, more than this "
+                         f"machine's {total / (1 << 30):.1f} GiB of memory")
+    if num_bytes > available:
+        logging.getLogger("minisgl.engine").warning(
+            "the KV pool may take %.1f GiB (%s) and %.1f GiB of memory is available now: "
+            "the kernel may kill the process as requests fill it", gib, field,
+            available / (1 << 30))
 
 
 class PageAllocator:
