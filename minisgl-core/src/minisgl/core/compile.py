@@ -321,9 +321,9 @@ def _worker_main(config_json: str, threads: str) -> int:
     """``python -m minisgl.core.compile CONFIG``: build the engine (compile='wait'), which
     compiles every graph into the on-disk cache, then exit."""
     from minisgl.core import compile as graphs_module
+    from minisgl.core.child import die_with_parent
     from minisgl.core.config import EngineConfig
     from minisgl.core.engine import Engine
-    from minisgl.core.tp import die_with_parent
 
     die_with_parent()
     # each graph compiled, on stdout: the serving process loads it then. Set on the module the

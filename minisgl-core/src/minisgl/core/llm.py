@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -16,29 +15,10 @@ from minisgl.core.config import EngineConfig
 from minisgl.core.engine import Engine
 from minisgl.core.request import Req
 from minisgl.core.sampling_params import SamplingParams
+from minisgl.core.tokenizer import Message, chat_token_ids, load_tokenizer
 from minisgl.core.tp import Lockstep, check_tp_split, free_addr, run_rank, start_rank
 
 Prompt = str | list[int]
-Message = dict[str, Any]
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def load_tokenizer(path: str) -> Any:
-    """The checkpoint's HF tokenizer, or None when it has none (tiny test models): such models
-    still take token-id prompts."""
-    from transformers import AutoTokenizer
-
-    if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-        return None
-    return AutoTokenizer.from_pretrained(path)
-
-
-def chat_token_ids(tokenizer: Any, messages: list[Message]) -> list[int]:
-    """The chat template applied to one conversation, with the generation prompt, as ids."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers >= 5 BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 @dataclass

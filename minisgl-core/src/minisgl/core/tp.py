@@ -15,6 +15,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from minisgl.core.child import die_with_parent
 from minisgl.core.config import EngineConfig, ModelConfig
 from minisgl.core.distributed import ControlChannel, connect
 from minisgl.core.request import Req
@@ -190,19 +191,3 @@ def run_rank(config: EngineConfig, addr: str, local_ranks: int) -> None:
     scheduler, channel = start_rank(config, addr, local_ranks)
     assert channel is not None
     follow(scheduler, channel)
-
-
-def die_with_parent() -> None:
-    """For a child process: ignore Ctrl-C (the parent handles it) and, on Linux, have the kernel
-    SIGTERM this process when its parent dies, even by SIGKILL."""
-    import ctypes
-    import signal
-    import sys
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's (or the launcher's) job
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-        except OSError:
-            pass
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

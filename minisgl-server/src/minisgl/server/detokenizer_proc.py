@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl.core.llm import load_tokenizer
+from minisgl.core.tokenizer import hide_torch, load_tokenizer
 from minisgl.server.detokenize import TextStream, token_bytes, token_text
 from minisgl.server.ipc import POLL_MS, Endpoints, Sockets, child_main, parent_alive
 from minisgl.server.messages import (
@@ -112,6 +112,7 @@ class Detokenizer:
 
 def run(ep: Endpoints, model_path: str) -> None:
     def body() -> None:
+        hide_torch()  # ids in, text out: no torch in this process (minisgl.core.tokenizer)
         tokenizer = load_tokenizer(model_path)
         socks = Sockets(ep.detokenizer, api=ep.api, scheduler=ep.scheduler)
         detok = Detokenizer(tokenizer, socks)
@@ -120,4 +121,4 @@ def run(ep: Endpoints, model_path: str) -> None:
             if msg is not None:
                 detok.handle(msg)
 
-    child_main("detokenizer", ep.api, body)
+    child_main("detokenizer", ep.api, body, plugins=False)

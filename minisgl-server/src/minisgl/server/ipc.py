@@ -13,7 +13,7 @@ from typing import Any
 
 import zmq
 
-from minisgl.core.tp import die_with_parent
+from minisgl.core.child import die_with_parent
 from minisgl.server.messages import Fatal, Msg, decode, encode
 
 POLL_MS = 200  # idle poll interval; also how often a child checks that its parent is alive
@@ -67,18 +67,21 @@ class Sockets:
             return None
 
 
-def child_main(name: str, report_to: str | None, body: Callable[[], None]) -> None:
+def child_main(name: str, report_to: str | None, body: Callable[[], None],
+               plugins: bool = True) -> None:
     """Run a child process's ``body``: Ctrl-C is the launcher's to handle, SIGTERM exits cleanly
-    (``finally`` blocks run), plugins are loaded here (every process loads them itself), and a
-    crash is reported to the API (``report_to``) before exiting."""
+    (``finally`` blocks run), ``plugins`` are loaded here (every engine process loads them
+    itself; the tokenizer processes need none), and a crash is reported to the API
+    (``report_to``) before exiting."""
     die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     parent = os.getppid()
     os.environ["MINISGL_PARENT_PID"] = str(parent)
     try:
-        from minisgl.core.plugins import get_plugin_manager
+        if plugins:
+            from minisgl.core.plugins import get_plugin_manager
 
-        get_plugin_manager()
+            get_plugin_manager()
         body()
     except Exception:
         text = traceback.format_exc()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from minisgl.core.llm import chat_token_ids, load_tokenizer
+from minisgl.core.tokenizer import chat_token_ids, hide_torch, load_tokenizer
 from minisgl.server.ipc import POLL_MS, Endpoints, Sockets, child_main, parent_alive
 from minisgl.server.messages import Abort, Error, GenerateReq, Ready, StatsQuery, TokenizedReq
 
@@ -37,6 +37,7 @@ def echo_text(tokenizer: Any, req: GenerateReq, ids: list[int]) -> str | None:
 
 def run(ep: Endpoints, model_path: str) -> None:
     def body() -> None:
+        hide_torch()  # ids in, ids out: no torch in this process (minisgl.core.tokenizer)
         tokenizer = load_tokenizer(model_path)
         socks = Sockets(ep.tokenizer, scheduler=ep.scheduler, api=ep.api)
         socks.send("api", Ready(process="tokenizer"))
@@ -60,4 +61,4 @@ def run(ep: Endpoints, model_path: str) -> None:
             elif isinstance(msg, (Abort, StatsQuery)):  # same path as requests: stays in order
                 socks.send("scheduler", msg)
 
-    child_main("tokenizer", ep.api, body)
+    child_main("tokenizer", ep.api, body, plugins=False)

@@ -1,0 +1,25 @@
+"""What a child process of minisgl sets up first.
+
+Torch-free, like ``minisgl.core.tokenizer``: the server's tokenizer and detokenizer processes
+import only these and never load torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def die_with_parent() -> None:
+    """For a child process: ignore Ctrl-C (the parent handles it) and, on Linux, have the kernel
+    SIGTERM this process when its parent dies, even by SIGKILL."""
+    import ctypes
+    import signal
+    import sys
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's (or the launcher's) job
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+        except OSError:
+            pass
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
