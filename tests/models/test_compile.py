@@ -277,6 +277,43 @@ def test_worker_announced_graphs_load_one_by_one(tiny_dirs: dict, tmp_path: Path
     eager.close()
 
 
+def test_worker_killed_on_the_way_out_is_not_reported(tiny_dirs: dict, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A process that exits kills its compile worker (atexit); the graphs left are not then
+    reported as failed with a warning that they run eager (a server printed one on every
+    shutdown while its worker still ran). A worker that dies by itself still is (above)."""
+    from minisgl.core import compile as compile_mod
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    real_popen = subprocess.Popen
+    procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
+
+    def stand_in(argv: list[str], **kw: object) -> subprocess.Popen:  # type: ignore[type-arg]
+        if list(argv[1:3]) == ["-m", "minisgl.core.compile"]:
+            procs.append(real_popen([sys.executable, "-c", "import time; time.sleep(300)"], **kw))
+            return procs[-1]
+        return real_popen(argv, **kw)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(compile_mod.subprocess, "Popen", stand_in)
+    llm = LLM(str(tiny_dirs["llama-gqa-untied-llama3"]), dtype="float32", compile="on",
+              max_running_requests=4)
+    try:
+        graphs = llm.engine.graphs
+        assert graphs is not None and graphs._thread is not None
+        deadline = time.monotonic() + 60
+        while not procs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with caplog.at_level("WARNING", logger="minisgl"):
+            compile_mod._kill(procs[0])  # what atexit does
+            graphs.join(timeout=60)
+        assert not graphs._thread.is_alive()
+        assert graphs.failed == {} and not graphs.ready
+        assert "compile worker exited" not in caplog.text
+    finally:
+        llm.close()
+
+
 def test_prepacked_linear_equals_f_linear() -> None:
     """Whichever prepacked path this CPU has: the CPU kernels' (registered by load()), else
     oneDNN's."""

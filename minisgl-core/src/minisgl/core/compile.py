@@ -256,6 +256,8 @@ class StepGraphs:
                     if key in self._compiled and key not in self.ready:
                         self.compile_one(key)
             proc.wait()
+            if proc.pid in _killed:  # this process is exiting: nothing left to report
+                return
             err.seek(0)
             why = (err.read().decode(errors="replace").strip().splitlines() or ["no output"])[-1]
         missing = [k for k in self.keys if k not in self.ready and k not in self.failed]
@@ -312,8 +314,12 @@ class StepGraphs:
                     *key, self.failed[key].splitlines()[0])
 
 
+_killed: set[int] = set()  # pids of compile workers this process killed on its way out
+
+
 def _kill(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
+        _killed.add(proc.pid)
         proc.kill()
 
 
