@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from minisgl.core import shm_comm
+from minisgl.core.child import free_addr
 from minisgl.core.distributed import LOCAL, Communicator, bind, connect
-from minisgl.core.tp import free_addr
 
 WORLD = 3
 

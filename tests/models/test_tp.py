@@ -33,8 +33,7 @@ import pytest
 import torch
 
 from minisgl.core import LLM, RequestOutput, SamplingParams
-from minisgl.core.config import ModelConfig
-from minisgl.core.tp import check_tp_split
+from minisgl.core.config import ModelConfig, check_tp_split
 from tests.procs import children
 
 from .conftest import SPECS, VOCAB, TinySpec

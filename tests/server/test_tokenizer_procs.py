@@ -1,5 +1,6 @@
-"""The tokenizer and detokenizer processes run without torch (minisgl.core.tokenizer): the same
-ids and text as the offline engine's tokenizer, at a fraction of the memory."""
+"""Only the engine's processes load torch: the launcher (the API), the tokenizer and the
+detokenizer run without it (minisgl.core.tokenizer, config, child), with the same ids and text as
+the offline engine's tokenizer, at a fraction of the memory."""
 
 from __future__ import annotations
 
@@ -77,9 +78,10 @@ def test_hide_torch_leaves_a_loaded_torch_alone() -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
 def test_server_helpers_run_without_torch(server: Server) -> None:
-    """In a running server, neither helper process maps libtorch (the scheduler does) and each
-    holds < 150 MB of anonymous memory (275 MB with torch loaded)."""
+    """In a running server, only the scheduler maps libtorch; the launcher, tokenizer and
+    detokenizer hold < 150 MB of anonymous memory each (153, 267, 267 MB with torch loaded)."""
     pids = httpx.get(server.url + "/stats", timeout=10).json()["pids"]
+    pids["launcher"] = server.proc.pid
 
     def libtorch(pid: int) -> bool:
         with open(f"/proc/{pid}/maps") as f:
@@ -90,6 +92,6 @@ def test_server_helpers_run_without_torch(server: Server) -> None:
             return next(int(line.split()[1]) for line in f if line.startswith("RssAnon")) / 1024
 
     assert libtorch(pids["scheduler"])
-    for name in ("tokenizer", "detokenizer"):
+    for name in ("launcher", "tokenizer", "detokenizer"):
         assert not libtorch(pids[name]), name
         assert anon_mb(pids[name]) < 150, (name, anon_mb(pids[name]))

@@ -1,12 +1,13 @@
-"""What a child process of minisgl sets up first.
+"""What a child process of minisgl sets up first, and the address its ranks meet at.
 
-Torch-free, like ``minisgl.core.tokenizer``: the server's tokenizer and detokenizer processes
-import only these and never load torch.
+Torch-free, like ``minisgl.core.tokenizer`` and ``minisgl.core.config``: the server's launcher,
+tokenizer and detokenizer processes import only such modules and never load torch.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 
 
 def die_with_parent() -> None:
@@ -23,3 +24,10 @@ def die_with_parent() -> None:
         except OSError:
             pass
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def free_addr(host: str = "127.0.0.1") -> str:
+    """host:port with a port free now: the rendezvous of tensor-parallel ranks."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"{host}:{s.getsockname()[1]}"

@@ -52,7 +52,6 @@ from minisgl.core.distributed import LOCAL, Communicator, bind
 
 log = logging.getLogger("minisgl.compile")
 
-COMPILE_MODES = ("auto", "on", "off", "wait")
 SMALL_BATCH_MAX = 32  # bucket boundary; also ATen's int8 matmul row limit (one graph each side)
 DUMMY_KV_LEN = 96  # keys per request in the warm-up batch: any value > 1, unlike any batch size
 
@@ -65,11 +64,6 @@ _announce = False  # set in the compile worker: print READY_LINE for each graph 
 DynamicDims = list[tuple[torch.Tensor, int, str]]
 # A graph: ("decode", lo, hi) for batch sizes lo..hi, ("prefill", lo, hi) for lo..hi requests
 Key = tuple[str, int, int]
-
-
-def default_mode() -> str:
-    """``$MINISGL_COMPILE`` when set (the test matrix runs both ways), else ``auto``."""
-    return os.environ.get("MINISGL_COMPILE", "auto")
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:

@@ -1,16 +1,27 @@
-"""Frozen configs, validated once at start. Derived values are properties."""
+"""Frozen configs, validated once at start. Derived values are properties.
+
+Torch-free at import (torch is imported where a dtype or device is resolved): the server's
+launcher validates options with these and never loads torch.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from minisgl.core.compile import COMPILE_MODES, default_mode
+COMPILE_MODES = ("auto", "on", "off", "wait")  # EngineConfig.compile (minisgl.core.compile)
+
+
+def default_mode() -> str:
+    """``$MINISGL_COMPILE`` when set (the test matrix runs both ways), else ``auto``."""
+    return os.environ.get("MINISGL_COMPILE", "auto")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -126,21 +137,47 @@ def _sliding_window(hf: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
     return (int(window), which) if which else (None, ())
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+def check_tp_split(mc: ModelConfig, tp: int) -> None:
+    """Fail before any process starts when the model cannot be split ``tp`` ways."""
+    if tp < 1:
+        raise ValueError(f"tp: must be >= 1 (got {tp})")
+    problems = []
+    if mc.num_heads % tp:
+        problems.append(f"num_attention_heads ({mc.num_heads}) is not divisible by tp ({tp})")
+    kv = mc.num_kv_heads
+    if kv >= tp and kv % tp:
+        problems.append(f"num_key_value_heads ({kv}) is not divisible by tp ({tp})")
+    if kv < tp and tp % kv:
+        problems.append(f"tp ({tp}) is not a multiple of num_key_value_heads ({kv}), so KV "
+                        "heads cannot be replicated evenly")
+    if mc.intermediate_size % tp:
+        problems.append(f"intermediate_size ({mc.intermediate_size}) is not divisible by tp ({tp})")
+    if problems:
+        raise ValueError(f"tp: {mc.path} cannot be split {tp} ways: " + "; ".join(problems))
+
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+           "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # name -> torch's name
+
+
+def _is_torch_dtype(x: object) -> bool:
+    torch_module = sys.modules.get("torch")  # a torch.dtype value means torch is loaded
+    return torch_module is not None and isinstance(x, torch_module.dtype)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, hf_dtype: str | None) -> torch.dtype:
     """``auto``: bf16 on CPU (float16 has no fast CPU kernels), the checkpoint's dtype on GPU."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         out = dtype
     elif dtype == "auto":
         if device.type == "cpu":
             return torch.bfloat16
-        out = _DTYPES.get(hf_dtype or "", torch.bfloat16)
+        out = getattr(torch, _DTYPES.get(hf_dtype or "", "bfloat16"))
         return torch.bfloat16 if out == torch.float32 else out
     elif dtype in _DTYPES:
-        out = _DTYPES[dtype]
+        out = getattr(torch, _DTYPES[dtype])
     else:
         raise ValueError(f"dtype: unknown value {dtype!r}; use auto, bfloat16, float32 or float16")
     if out == torch.float16 and device.type == "cpu":
@@ -186,7 +223,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            ("dtype", isinstance(self.dtype, torch.dtype) or self.dtype in ("auto", *_DTYPES),
+            ("dtype", _is_torch_dtype(self.dtype) or self.dtype in ("auto", *_DTYPES),
              f"must be auto or one of {', '.join(_DTYPES)}"),
             ("page_size", self.page_size >= 1, "must be >= 1"),
             ("cache", self.cache in ("radix", "naive"), "must be 'radix' or 'naive'"),
@@ -206,13 +243,20 @@ class EngineConfig:
                 raise ValueError(f"{name}: {why} (got {getattr(self, name)!r})")
 
     @property
+    def device_type(self) -> str:
+        """"cpu", "cuda", ... (``torch_device.type`` without loading torch)."""
+        return self.device.partition(":")[0]
+
+    @property
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device(self.device)
 
     @property
     def use_mixed_steps(self) -> bool:
-        return self.mixed_steps if self.mixed_steps is not None else self.torch_device.type == "cpu"
+        return self.mixed_steps if self.mixed_steps is not None else self.device_type == "cpu"
 
     @property
     def use_overlap(self) -> bool:
-        return self.overlap if self.overlap is not None else self.torch_device.type != "cpu"
+        return self.overlap if self.overlap is not None else self.device_type != "cpu"

@@ -11,12 +11,13 @@ from typing import Any, cast
 import torch
 
 from minisgl.core.bundled import resolve_model
-from minisgl.core.config import EngineConfig
+from minisgl.core.child import free_addr
+from minisgl.core.config import EngineConfig, check_tp_split
 from minisgl.core.engine import Engine
 from minisgl.core.request import Req
 from minisgl.core.sampling_params import SamplingParams
 from minisgl.core.tokenizer import Message, chat_token_ids, load_tokenizer
-from minisgl.core.tp import Lockstep, check_tp_split, free_addr, run_rank, start_rank
+from minisgl.core.tp import Lockstep, run_rank, start_rank
 
 Prompt = str | list[int]
 

@@ -11,41 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from collections.abc import Callable
 from typing import Any
 
 from minisgl.core.child import die_with_parent
-from minisgl.core.config import EngineConfig, ModelConfig
+from minisgl.core.config import EngineConfig
 from minisgl.core.distributed import ControlChannel, connect
 from minisgl.core.request import Req
 from minisgl.core.sampling_params import SamplingParams
 from minisgl.core.scheduler import Scheduler
-
-
-def check_tp_split(mc: ModelConfig, tp: int) -> None:
-    """Fail before any process starts when the model cannot be split ``tp`` ways."""
-    if tp < 1:
-        raise ValueError(f"tp: must be >= 1 (got {tp})")
-    problems = []
-    if mc.num_heads % tp:
-        problems.append(f"num_attention_heads ({mc.num_heads}) is not divisible by tp ({tp})")
-    kv = mc.num_kv_heads
-    if kv >= tp and kv % tp:
-        problems.append(f"num_key_value_heads ({kv}) is not divisible by tp ({tp})")
-    if kv < tp and tp % kv:
-        problems.append(f"tp ({tp}) is not a multiple of num_key_value_heads ({kv}), so KV "
-                        "heads cannot be replicated evenly")
-    if mc.intermediate_size % tp:
-        problems.append(f"intermediate_size ({mc.intermediate_size}) is not divisible by tp ({tp})")
-    if problems:
-        raise ValueError(f"tp: {mc.path} cannot be split {tp} ways: " + "; ".join(problems))
-
-
-def free_addr(host: str = "127.0.0.1") -> str:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return f"{host}:{s.getsockname()[1]}"
 
 
 def _params_dict(p: SamplingParams) -> dict[str, Any]:

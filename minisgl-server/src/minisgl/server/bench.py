@@ -54,9 +54,10 @@ import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 WORKLOADS = ("offline-mixed", "latency", "burst", "shared-prefix", "online")
 
@@ -110,9 +111,6 @@ def peak_rss_mib() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
-CPU = torch.device("cpu")
-
-
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -121,6 +119,8 @@ def log(msg: str) -> None:
 
 
 def machine_info(dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+    import torch
+
     from minisgl.backends import cpu_kernels
 
     info = {"cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
@@ -135,6 +135,8 @@ def machine_info(dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
 
 def _times(fn: Callable[[], object], reps: int) -> list[float]:
     """Wall seconds of each of ``reps`` calls; work queued on a GPU counts (synchronized)."""
+    import torch
+
     sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
     times = []
     for _ in range(reps):
@@ -156,6 +158,8 @@ def _matmul_flops(dtype: torch.dtype, device: torch.device, n: int = 2048, reps:
     """Best of ``reps`` n x n matmuls, in FLOP/s; where a 512 x 512 one is slow (bf16 on a CPU
     without bf16 instructions: ~1 GFLOP/s per thread, a minute per 2048 product) that one.
     GPUs multiply 8192 x 8192 (a 2048 product is over before the GPU is busy)."""
+    import torch
+
     if device.type == "cuda":
         n = 8192
     a, b = (torch.randn(512, 512, dtype=dtype, device=device) for _ in range(2))
@@ -173,6 +177,8 @@ def measure_ceilings(dtype: torch.dtype, device: torch.device) -> dict[str, floa
     bf16 instructions (AVX2) multiplies bf16 in float32 (the engine's kernels do), while
     PyTorch's own bf16 matmul there falls back to a path ~40x slower than the float32 one (Zen 3:
     1.3 vs 49 GFLOP/s per thread), not a ceiling of the machine."""
+    import torch
+
     out: dict[str, float] = {}
     for dt in (torch.bfloat16, torch.float32):
         out[f"matmul_flops_{str(dt).removeprefix('torch.')}"] = _matmul_flops(dt, device)
@@ -191,6 +197,8 @@ def read_probe(nbytes: int, device: torch.device) -> torch.Tensor:
     """float32 ones to sum for a read speed, in the memory the CPU kernels keep packed weights in
     (2 MiB pages where Linux grants them: a 128 MB sum read 0-7% faster there than in 4 KiB
     pages on Zen 3), so that the floor is the machine's best read, not a page-size handicap."""
+    import torch
+
     from minisgl.backends import cpu_kernels
 
     if device.type != "cpu":
@@ -204,6 +212,8 @@ def read_probe(nbytes: int, device: torch.device) -> torch.Tensor:
 def measure_matmul(ceilings: dict[str, float], device: torch.device, reps: int = 3) -> float:
     """Matmul FLOP/s of the moment: ``_matmul_flops`` with ``reps`` products in the dtype whose
     ceiling ``matmul_flops`` is (``measure_ceilings``), ~30 ms on a 2-core AMX CPU."""
+    import torch
+
     dt = (torch.bfloat16 if ceilings["matmul_flops"] == ceilings.get("matmul_flops_bfloat16")
           else torch.float32)
     return _matmul_flops(dt, device, reps=reps)
@@ -229,6 +239,8 @@ class ModelCost:
                     ) -> ModelCost:
         """``quantization="int8"``: one byte per weight (every linear layer and the LM head;
         the per-row scales are ignored)."""
+        import torch
+
         d, hd = mc.hidden_size, mc.head_dim
         attn = d * hd * (2 * mc.num_heads + 2 * mc.num_kv_heads)
         mlp = 3 * d * mc.intermediate_size
@@ -356,14 +368,18 @@ class HFSystem:
     name = "hf"
 
     def __init__(self, model_dir: str, dtype: torch.dtype, pad_id: int, batch_size: int,
-                 device: torch.device = CPU) -> None:
+                 device: torch.device | None = None) -> None:
+        import torch
         from transformers import AutoModelForCausalLM
 
+        device = device or torch.device("cpu")
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         self.model, self.device = model.to(device).eval(), device
         self.pad_id, self.batch_size = pad_id, batch_size
 
     def _left_padded(self, prompts: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.int64)
         mask = torch.zeros((len(prompts), width), dtype=torch.int64)
@@ -374,6 +390,8 @@ class HFSystem:
 
     def _generate(self, ids: torch.Tensor, mask: torch.Tensor, n: int, streamer: Any = None) -> int:
         """Greedy, exactly n new tokens (min_new_tokens keeps EOS from ending it: ignore_eos)."""
+        import torch
+
         with torch.inference_mode():
             ids, mask = ids.to(self.device), mask.to(self.device)
             out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
@@ -541,7 +559,10 @@ def bench_burst(systems: Sequence[System], ids: Sequence[int], scale: float, rep
 
 def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, repeats: int,
                   seed: int, cost: ModelCost, ceilings: dict[str, float],
-                  device: torch.device = CPU) -> list[Row]:
+                  device: torch.device | None = None) -> list[Row]:
+    import torch
+
+    device = device or torch.device("cpu")
     plen, n_out, long_len = _scaled(128, scale), max(2, _scaled(128, scale)), _scaled(1024, scale)
     # a system in a weight format of its own (llama.cpp's GGUF) says what a decode step reads
     weights = {s.name: getattr(s, "decode_bytes", None) or cost.decode_bytes() for s in systems}
@@ -699,7 +720,10 @@ def compare_list(value: str) -> list[str]:
 def bench_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags, with compilation (where it is on) finished before timing starts: the
     bench measures the steady state and reports compile time apart."""
-    from minisgl.core.compile import default_mode, resolve_mode
+    import torch
+
+    from minisgl.core.compile import resolve_mode
+    from minisgl.core.config import default_mode
     from minisgl.server.cli import engine_kwargs
 
     kw = engine_kwargs(args)
@@ -709,6 +733,8 @@ def bench_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
+    import torch
+
     from minisgl.core import LLM
 
     kw = bench_engine_kwargs(args)
@@ -744,6 +770,8 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
 
 def _run_workloads(args: argparse.Namespace, workloads: Sequence[str], systems: Sequence[System],
                    ids: Sequence[int], cost: ModelCost, ceilings: dict[str, float]) -> list[Row]:
+    import torch
+
     rows: list[Row] = []
     for name in workloads:
         if name == "offline-mixed":
@@ -771,6 +799,8 @@ def _run_workloads(args: argparse.Namespace, workloads: Sequence[str], systems: 
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
     compare_list(args.compare)  # a bad peer fails before anything loads
     if args.workload == "quality":  # two engines one after the other (bench_quality.py)
         from minisgl.server.bench_quality import cmd_quality

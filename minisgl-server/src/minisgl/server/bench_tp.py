@@ -101,7 +101,7 @@ def child(model: str, tp: int, dtype: str, threads: int | None, compile_mode: st
 
 def bench_tp(args: Any) -> list[Row]:
     from minisgl.core.bundled import resolve_model
-    from minisgl.core.compile import default_mode
+    from minisgl.core.config import default_mode
 
     model = resolve_model(args.model)
     results = {}

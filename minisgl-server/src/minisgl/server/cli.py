@@ -11,8 +11,7 @@ from typing import Any
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine options as flags; names match LLM(...) keyword arguments."""
-    from minisgl.core.compile import COMPILE_MODES
-    from minisgl.core.config import EngineConfig
+    from minisgl.core.config import COMPILE_MODES, EngineConfig
 
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     p.add_argument("--model", default="smollm2", help="HF directory or bundled alias (smollm2)")

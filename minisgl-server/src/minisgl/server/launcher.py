@@ -24,7 +24,7 @@ from typing import Any
 import uvicorn
 
 from minisgl.core.config import EngineConfig, ModelConfig
-from minisgl.server import detokenizer_proc, scheduler_proc, tokenizer_proc
+from minisgl.server import detokenizer_proc, tokenizer_proc
 from minisgl.server.api import Pipeline, build_app
 from minisgl.server.ipc import Endpoints
 
@@ -110,9 +110,24 @@ def _stop(children: list[mp.process.BaseProcess], timeout: float = 5.0) -> None:
             p.join()
 
 
+# The scheduler processes' entry points, by way of functions of this module: the launcher never
+# imports scheduler_proc (the engine, torch), only its children do (~150 MB less for the API).
+def _run_scheduler(*args: Any) -> None:
+    from minisgl.server import scheduler_proc
+
+    scheduler_proc.run(*args)
+
+
+def _run_rank(*args: Any) -> None:
+    from minisgl.server import scheduler_proc
+
+    scheduler_proc.run_rank(*args)
+
+
 def rank_configs(args: ServerArgs, path: str) -> tuple[list[EngineConfig], str]:
     """The EngineConfig of every rank on this node, and the rendezvous address."""
-    from minisgl.core.tp import check_tp_split, free_addr
+    from minisgl.core.child import free_addr
+    from minisgl.core.config import check_tp_split
 
     engine = dict(args.engine)
     tp = int(engine.pop("tp", 1) or 1)
@@ -154,7 +169,7 @@ def serve(args: ServerArgs) -> int:
 def _serve_ranks(configs: list[EngineConfig], addr: str) -> int:
     """A node other than 0: only its ranks; they end when rank 0 ends (or any rank fails)."""
     ctx = mp.get_context("spawn")
-    children = [ctx.Process(target=scheduler_proc.run_rank, args=(None, c, addr, len(configs)),
+    children = [ctx.Process(target=_run_rank, args=(None, c, addr, len(configs)),
                             name=f"rank{c.tp_rank}") for c in configs]
     for p in children:
         p.start()
@@ -184,9 +199,9 @@ async def _serve(args: ServerArgs, ep: Endpoints, configs: list[EngineConfig], a
     pipe = Pipeline(ep, served, ModelConfig.from_pretrained(path).generation_defaults)
     ctx = mp.get_context("spawn")
     children = [
-        ctx.Process(target=scheduler_proc.run, args=(ep, configs[0], addr, len(configs)),
+        ctx.Process(target=_run_scheduler, args=(ep, configs[0], addr, len(configs)),
                     name="scheduler"),
-        *(ctx.Process(target=scheduler_proc.run_rank, args=(ep, c, addr, len(configs)),
+        *(ctx.Process(target=_run_rank, args=(ep, c, addr, len(configs)),
                       name=f"rank{c.tp_rank}") for c in configs[1:]),
         ctx.Process(target=detokenizer_proc.run, args=(ep, path), name="detokenizer"),
         ctx.Process(target=tokenizer_proc.run, args=(ep, path), name="tokenizer"),

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from minisgl.core.tp import free_addr
+from minisgl.core.child import free_addr
 
 HELP = "Type a message. /reset forgets the conversation, /exit (or Ctrl-D) quits, " \
        "Ctrl-C stops a reply."
