@@ -245,7 +245,7 @@ class EngineConfig:
     @property
     def device_type(self) -> str:
         """"cpu", "cuda", ... (``torch_device.type`` without loading torch)."""
-        return self.device.partition(":")[0]
+        return str(self.device).partition(":")[0]
 
     @property
     def torch_device(self) -> torch.device:

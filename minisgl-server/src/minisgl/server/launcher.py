@@ -111,7 +111,7 @@ def _stop(children: list[mp.process.BaseProcess], timeout: float = 5.0) -> None:
 
 
 # The scheduler processes' entry points, by way of functions of this module: the launcher never
-# imports scheduler_proc (the engine, torch), only its children do (~150 MB less for the API).
+# imports scheduler_proc (the engine, torch), only its children do (~130 MB less for the API).
 def _run_scheduler(*args: Any) -> None:
     from minisgl.server import scheduler_proc
 
