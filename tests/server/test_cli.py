@@ -25,13 +25,26 @@ def test_plugins_lists_builtin_plugins() -> None:
 
 @pytest.mark.slow
 def test_generate_chat_on_bundled_model(smollm2_path: str) -> None:
-    # --compile off: quicker; "Tell me", not "What is the capital of France?", whose first token
-    # is a bf16 near-tie (see test_smollm2's FRANCE); this tests the CLI
-    res = minisgl("generate", "--chat", "--max-tokens", "20", "--compile", "off",
-                  "Tell me the capital of France.")
+    # (uncompiled: generate's default); "Tell me", not "What is the capital of France?", whose
+    # first token is a bf16 near-tie (see test_smollm2's FRANCE); this tests the CLI
+    res = minisgl("generate", "--chat", "--max-tokens", "20", "Tell me the capital of France.")
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
     assert "stop]" in res.stdout  # the answer ends on the chat end-of-turn token
+
+
+def test_generate_compiles_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-shot ``minisgl generate`` runs eager unless --compile or $MINISGL_COMPILE asks
+    (its compile worker cost a 64-token answer ~2 s); serve keeps the engine's default."""
+    from minisgl.server.cli import build_parser, engine_kwargs, generate_kwargs
+
+    parse = build_parser().parse_args
+    monkeypatch.delenv("MINISGL_COMPILE", raising=False)
+    assert generate_kwargs(parse(["generate", "hi"]))["compile"] == "off"
+    assert generate_kwargs(parse(["generate", "--compile", "on", "hi"]))["compile"] == "on"
+    assert "compile" not in engine_kwargs(parse(["serve"]))
+    monkeypatch.setenv("MINISGL_COMPILE", "wait")
+    assert "compile" not in generate_kwargs(parse(["generate", "hi"]))  # the config's default
 
 
 def test_bad_model_path_is_a_clear_error(tmp_path: os.PathLike[str]) -> None:
