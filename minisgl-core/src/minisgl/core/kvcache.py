@@ -7,6 +7,7 @@ scratch page that padded (bucketed) tokens may write to, so it is never handed o
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 
 import torch
@@ -20,9 +21,9 @@ class KVPool:
     Head-major, so gathering a batch's slots yields each head's keys contiguously: attention
     reads them without another copy (the copy was ~a quarter of a CPU decode step).
 
-    On CPU the pool is one anonymous memory map, which the kernel hands out zeroed page by page
-    as K/V are first written: memory is resident where requests have been, not the whole budget
-    from startup (``torch.zeros`` wrote every page up front)."""
+    On CPU each layer's K and V is an anonymous memory map of its own, which the kernel hands out
+    zeroed page by page as K/V are first written: memory is resident where requests have been,
+    not the whole budget from startup (``torch.zeros`` wrote every page up front)."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -49,8 +50,7 @@ class KVPool:
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, kv_heads: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return cfg.num_layers * 2 * page_size * kv_heads * cfg.head_dim * itemsize
+        return cfg.num_layers * 2 * page_size * kv_heads * cfg.head_dim * dtype.itemsize
 
     @property
     def num_bytes(self) -> int:
@@ -62,10 +62,7 @@ def _lazy_zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[
     storages: compiled graphs take them as unaliased inputs). The kernel maps a zeroed page on
     its first touch, ~1.6 us per 4 KiB here: ~9 us per token of SmolLM2's K/V, about 1% of a
     prefill or decode step, once per page (torch.zeros paid it for the whole pool at startup)."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    size = numel * torch.empty((), dtype=dtype).element_size()
+    size = math.prod(shape) * dtype.itemsize
     maps = (mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             for _ in range(count))
     return [torch.frombuffer(m, dtype=dtype).view(shape) for m in maps]  # keeps its map alive
