@@ -306,6 +306,7 @@ inline __mmask16 lane_mask(int64_t hidden, int64_t visible) {
 // rows) 1.07-1.11x slower (two builds alternating in one process, KV in cache and from DRAM).
 constexpr int kLaneRows = 13;
 constexpr float kLaneLazy = 8.f;  // see lane_softmax
+constexpr int kLaneSteps = 4;     // key blocks per lane_pv call (run_item)
 
 // The online-softmax step of 16 rows against one key block with the rows in lanes: st[j] lane
 // rr is row rr's score for key kb + j (qk_lanes' result), so the running max, the sum and the
@@ -313,11 +314,13 @@ constexpr float kLaneLazy = 8.f;  // see lane_softmax
 // few per row and block (rows seeing keys [low, lim), lanes outside `act` none). P
 // goes to pt in key pairs, pt[jp] lane rr = (p of keys 2jp and 2jp + 1) in bf16, the operand of
 // lane_pv; where a row's reference max moves (below), its lane of OT (O transposed, D vectors)
-// is rescaled. In base 2, as on tiles: scale2 = scale x log2 e, m in those units (run_item turns
-// a lane row's m back into natural units at the end), p = 2^(y - m) by exp2_16's 5 ops.
+// is rescaled, after `flush()` has added the P V that waits (P against the old reference). In
+// base 2, as on tiles: scale2 = scale x log2 e, m in those units (run_item turns a lane row's m
+// back into natural units at the end), p = 2^(y - m) by exp2_16's 5 ops.
+template <typename Flush>
 inline void lane_softmax(__m512* st, int nk, int64_t kb, const int32_t* low, const int32_t* lim,
                          bool all_see, __mmask16 act, float scale2, float* m, float* l, float* OT,
-                         int64_t D, __m512i* pt) {
+                         int64_t D, __m512i* pt, Flush&& flush) {
   const __m512 neg_inf = _mm512_set1_ps(NEG_INF);
   const __m512i lowv = _mm512_loadu_si512(low), limv = _mm512_loadu_si512(lim);
   const __m512 old = _mm512_mask_loadu_ps(neg_inf, act, m), vscale = _mm512_set1_ps(scale2);
@@ -365,6 +368,7 @@ inline void lane_softmax(__m512* st, int nk, int64_t kb, const int32_t* low, con
   const __m512 sum = _mm512_add_ps(sums[0], sums[1]);
   _mm512_mask_storeu_ps(m, act, ref);
   if (up) {  // 2^(old - ref) where the reference moved (l and OT are 0 on a row's first keys)
+    flush();
     const __m512 corr = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), up,
                                            exp2_16(_mm512_sub_ps(old, base)));
     _mm512_mask_storeu_ps(l, act, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(act, l), corr, sum));
@@ -375,21 +379,22 @@ inline void lane_softmax(__m512* st, int nk, int64_t kb, const int32_t* low, con
   }
 }
 
-// OT += (P V)^T for 16 rows in lanes: OT[i] (dim i in vp's order) gets pt[jp] times key pair
-// jp's dim i, broadcast. 16 dims at a time, so 16 independent accumulators take each pair's
-// eight steps (the per-row product chains 8 steps through two accumulators per 16 dims).
-inline void lane_pv(const __m512i* pt, const __m512i* vp, int64_t D, float* OT) {
+// OT += (P V)^T for 16 rows in lanes over np key pairs (np / 8 blocks, their pt and vp one
+// after the other): OT[i] (dim i in vp's order) gets pt[jp] times key pair jp's dim i,
+// broadcast. 16 dims at a time, so 16 independent accumulators take each pair's steps (the
+// per-row product chains 8 steps through two accumulators per 16 dims), loaded and stored once
+// per call: run_item calls it once per step of up to kLaneSteps blocks.
+inline void lane_pv(const __m512i* pt, const __m512i* vp, int64_t D, float* OT, int np) {
   const int64_t Z = D / 16;
-  __m512bh p[KB / 2];
-  for (int jp = 0; jp < KB / 2; ++jp) p[jp] = (__m512bh)pt[jp];
   for (int64_t z = 0; z < Z; ++z) {
     __m512 acc[16];
     float* ot = OT + z * 256;
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_loadu_ps(ot + i * 16);
-    for (int jp = 0; jp < KB / 2; ++jp) {
+    for (int jp = 0; jp < np; ++jp) {
       const int32_t* w = reinterpret_cast<const int32_t*>(vp + jp * Z + z);
+      const __m512bh p = (__m512bh)pt[jp];
       for (int i = 0; i < 16; ++i)
-        acc[i] = _mm512_dpbf16_ps(acc[i], p[jp], (__m512bh)_mm512_set1_epi32(w[i]));
+        acc[i] = _mm512_dpbf16_ps(acc[i], p, (__m512bh)_mm512_set1_epi32(w[i]));
     }
     for (int i = 0; i < 16; ++i) _mm512_storeu_ps(ot + i * 16, acc[i]);
   }
@@ -430,9 +435,9 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
   constexpr int MR = QB * 8;  // rows of an item at most
   struct Scratch {
     alignas(64) __m512i kt[MAXD / 2];
-    alignas(64) __m512i vp[KB / 2 * MAXD / 16];
-    alignas(64) uint16_t pb[MR][KB];  // P of each per-row row, bf16
-    alignas(64) __m512i pt[KB / 2];    // P of a row group (lane_softmax)
+    alignas(64) __m512i vp[kLaneSteps * KB / 2 * MAXD / 16];  // a step's blocks, one by one
+    alignas(64) uint16_t pb[MR][KB];                  // P of each per-row row, bf16
+    alignas(64) __m512i pt[kLaneSteps * KB / 2];      // P of a row group (lane_softmax)
     alignas(64) int32_t low32[MR], lim32[MR];
     alignas(64) int32_t qt[MR / 16][MAXD / 2][16];  // lane groups' queries (qk_lanes)
     alignas(64) float ot[MAXD * 16];                 // a lane group's OT, copied at the end
@@ -474,23 +479,12 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
   const int64_t* srow = slots + it.b * Lk;
   const int64_t blocks = std::max<int64_t>(1, (it.k1 - it.k0 + KB - 1) / KB);  // (0 keys: none)
   const int64_t per = (ahead.k1 - ahead.j + blocks - 1) / blocks;
-  for (int64_t kb = it.k0; kb < it.k1; kb += KB) {
-    const uint16_t* krow[KB];
-    const int nk = load_block(kh, vh, srow, kb, it.k1, D, RL < R ? kt : nullptr, vp, krow);
-    ahead.keys(per);
-    // Scores and online softmax, 16 rows at a time.
-    for (int64_t r0 = 0; r0 < R; r0 += 16) {
+  // One key block for the per-row rows [RL, R), 16 at a time: its K transposed in kt, its V in
+  // key pairs at vb.
+  auto row_block = [&](int64_t kb, int nk, const __m512i* vb) {
+    for (int64_t r0 = RL; r0 < R; r0 += 16) {
       const int nr = static_cast<int>(std::min<int64_t>(16, R - r0));
       __m512 s[16];
-      if (r0 < RL) {
-        const int64_t g = r0 / 16;
-        qk_lanes(reinterpret_cast<const __m512i*>(qt[g]), krow, nk, P, s);
-        lane_softmax(s, nk, kb, low32 + r0, lim32 + r0, see_from[g] <= kb && see_to[g] >= kb + nk,
-                     static_cast<__mmask16>((1u << nr) - 1), scale2, m + r0, l + r0, O + r0 * D,
-                     D, pt);
-        lane_pv(pt, vp, D, O + r0 * D);
-        continue;
-      }
       qk_dispatch(nr, qrow.data() + r0, kt, P, s);
       for (int rr = 0; rr < nr; ++rr) {
         const int64_t r = r0 + rr;
@@ -524,9 +518,9 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     }
     // O += P V for the per-row rows, one 16-dim slice at a time with its 8 key-pair vectors in
     // registers (two chains per row, as in qk_rows).
-    for (int64_t z = 0; z < Z && RL < R; ++z) {
+    for (int64_t z = 0; z < Z; ++z) {
       __m512bh w[KB / 2];
-      for (int jp = 0; jp < KB / 2; ++jp) w[jp] = (__m512bh)vp[jp * Z + z];
+      for (int jp = 0; jp < KB / 2; ++jp) w[jp] = (__m512bh)vb[jp * Z + z];
       for (int64_t r = RL; r < R; ++r) {
         const int32_t* pr = reinterpret_cast<const int32_t*>(pb[r]);
         __m512 o = _mm512_loadu_ps(O + r * D + z * 16), o2 = _mm512_setzero_ps();
@@ -536,6 +530,42 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
         }
         _mm512_storeu_ps(O + r * D + z * 16, _mm512_add_ps(o, o2));
       }
+    }
+  };
+  // Steps of up to kLaneSteps key blocks: the per-row rows take each block as it is loaded; a
+  // lane group then takes the step's blocks in turn and adds their P V in one lane_pv call
+  // (earlier where a row's reference moves mid-step).
+  for (int64_t ks = it.k0; ks < it.k1; ks += kLaneSteps * KB) {
+    const uint16_t* krow[kLaneSteps][KB];
+    int nks[kLaneSteps];
+    int nb = 0;
+    for (int64_t kb = ks; kb < std::min(it.k1, ks + kLaneSteps * KB); kb += KB, ++nb) {
+      __m512i* vb = vp + nb * (KB / 2) * Z;
+      const int nk = nks[nb] = load_block(kh, vh, srow, kb, it.k1, D, RL < R ? kt : nullptr, vb,
+                                          krow[nb]);
+      ahead.keys(per);
+      if (RL < R) row_block(kb, nk, vb);
+    }
+    for (int64_t r0 = 0; r0 < RL; r0 += 16) {
+      const int64_t g = r0 / 16;
+      const int nr = static_cast<int>(std::min<int64_t>(16, R - r0));
+      float* OT = O + r0 * D;
+      int done = 0;  // blocks of the step whose P V is in OT
+      for (int b = 0; b < nb; ++b) {
+        const int64_t kb = ks + b * KB;
+        __m512 s[16];
+        qk_lanes(reinterpret_cast<const __m512i*>(qt[g]), krow[b], nks[b], P, s);
+        lane_softmax(s, nks[b], kb, low32 + r0, lim32 + r0,
+                     see_from[g] <= kb && see_to[g] >= kb + nks[b],
+                     static_cast<__mmask16>((1u << nr) - 1), scale2, m + r0, l + r0, OT, D,
+                     pt + b * (KB / 2), [&] {
+                       if (b > done)
+                         lane_pv(pt + done * (KB / 2), vp + done * (KB / 2) * Z, D, OT,
+                                 (b - done) * (KB / 2));
+                       done = b;
+                     });
+      }
+      lane_pv(pt + done * (KB / 2), vp + done * (KB / 2) * Z, D, OT, (nb - done) * (KB / 2));
     }
   }
   // The per-row rows' sums, every row's m back in natural units, and the lane groups' OT back
