@@ -10,6 +10,7 @@ process + cache) and prepacking.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -312,6 +313,60 @@ def test_worker_killed_on_the_way_out_is_not_reported(tiny_dirs: dict, tmp_path:
         assert "compile worker exited" not in caplog.text
     finally:
         llm.close()
+
+
+def test_warm_start_loads_graphs_without_a_worker(tiny_dirs: dict, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile='on': once a worker has compiled every graph of a config, a later start with that
+    config loads them from the cache on the engine's thread and starts no worker; a cache
+    emptied behind the marker's back is noticed (the graph was compiled, not loaded), the
+    marker goes, the worker runs again and, done, puts it back. Answers equal eager's."""
+    from minisgl.core import compile as compile_mod
+
+    cache = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    real_popen = subprocess.Popen
+    workers: list[list[str]] = []
+
+    def spy(argv: list[str], **kw: object) -> subprocess.Popen:  # type: ignore[type-arg]
+        if list(argv[1:3]) == ["-m", "minisgl.core.compile"]:
+            workers.append(argv)
+        return real_popen(argv, **kw)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(compile_mod.subprocess, "Popen", spy)
+    path = tiny_dirs["qwen3-tied"]
+    prompts = make_prompts([9], VOCAB, seed=5)
+
+    def start(**kw: object) -> list[int]:
+        llm = LLM(str(path), dtype="float32", max_running_requests=1, **kw)  # type: ignore[arg-type]
+        graphs = llm.engine.graphs
+        if graphs is not None:
+            graphs.join(timeout=600)
+            assert graphs.ready == {("decode", 1, 1)}, graphs.describe()
+        out = llm.generate(prompts, greedy(16))[0].token_ids
+        assert graphs is None or graphs.steps[("decode", 1, 1)] >= 15
+        llm.close()
+        return out
+
+    first = start(compile="on")
+    assert len(workers) == 1
+    markers = list((cache / compile_mod.WARM_DIR).iterdir())
+    assert len(markers) == 1
+    compiled = compile_mod._compiled_anew()
+    second = start(compile="on")
+    assert len(workers) == 1 and compile_mod._compiled_anew() == compiled  # loaded, no worker
+    for entry in cache.iterdir():  # the graphs gone, the marker left
+        if entry.name != compile_mod.WARM_DIR:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    third = start(compile="on")
+    assert compile_mod._compiled_anew() > compiled and len(workers) == 2
+    assert markers[0].exists()
+    assert first == second == third == start(compile="off")
+    # a marker per config, thread count and MINISGL_* setting
+    marker = compile_mod.warm_marker
+    names = {marker({"a": 1}, 1), marker({"a": 2}, 1), marker({"a": 1}, 2)}
+    monkeypatch.setenv("MINISGL_FUSED_LAYER", "off")
+    assert len(names | {marker({"a": 1}, 1)}) == 4
 
 
 def test_prepacked_linear_equals_f_linear() -> None:

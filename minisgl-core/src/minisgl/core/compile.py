@@ -27,15 +27,21 @@ the serving process it would stall every eager step. So:
   its own graphs, their collectives are ops bound to the rank's group, see distributed.py),
   ``off`` on GPUs, which run eager for now;
 * the cache lives in ``~/.cache/minisgl/inductor`` (``TORCHINDUCTOR_CACHE_DIR`` overrides it):
-  a later start with the same model shapes, dtype and flags finds its graphs there.
+  a later start with the same model shapes, dtype and flags finds its graphs there. Once a
+  worker has compiled every graph of a config, a marker says so (``warm_marker``): a later
+  ``on`` start with that config loads its graphs on the engine's thread, with no worker (on a
+  warm cache the worker lived ~15 s beside a SmolLM2 server at ~830 MB). Should one of them
+  not come from the cache after all, the marker goes and the worker does the rest.
 """
 
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import logging
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -98,6 +104,42 @@ def _use_persistent_cache() -> None:
 
     # compile in this process: no pool of worker processes left behind a server's children
     inductor_config.compile_threads = 1
+
+
+WARM_DIR = "minisgl-warm"  # the markers, in Inductor's cache directory
+
+
+def warm_marker(config: dict[str, Any], threads: int) -> Path:
+    """The file that says the compile worker compiled every graph of ``config`` (the worker's
+    EngineConfig fields) at ``threads`` threads into the cache: named by a digest of what the
+    cache's entries hang on besides the traced code's shapes: the config, the threads (they
+    are in Inductor's generated code), torch, Python, the CPU, the ``MINISGL_*`` and
+    ``TORCHINDUCTOR_*`` variables (one that changes from start to start only costs the
+    worker's run), and the source of minisgl's packages (a model or kernel
+    edited since then traces to other graphs)."""
+    import minisgl
+
+    digest = hashlib.sha256()
+    for part in (json.dumps(config, sort_keys=True), str(threads), torch.__version__,
+                 sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
+                 *sorted(f"{k}={v}" for k, v in os.environ.items()
+                         if k.startswith(("MINISGL_", "TORCHINDUCTOR_"))
+                         and k != "MINISGL_PARENT_PID")):  # (a server's children's, per start)
+        digest.update(part.encode() + b"\0")
+    for root in sorted(minisgl.__path__):  # the namespace's portions: core, models, ...
+        for f in sorted(Path(root).rglob("*")):
+            if f.suffix in (".py", ".cpp", ".h"):
+                digest.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or tempfile.gettempdir()
+    return Path(cache) / WARM_DIR / digest.hexdigest()[:32]
+
+
+def _compiled_anew() -> int:
+    """Graphs this process compiled rather than found in Inductor's cache, so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["fxgraph_cache_miss"]
+               + counters["inductor"]["fxgraph_cache_bypass"])
 
 
 def _keep_shape_guards(entries: Sequence[Any]) -> list[bool]:
@@ -234,9 +276,7 @@ class StepGraphs:
         engine waited for the worker to exit, then loaded them all; with the C++ decoder layers
         ~12 s, ~24 s from a cold cache). Graphs the worker did not announce (it failed on them,
         or exited) stay eager."""
-        assert self._worker_config is not None
-        cfg = dict(self._worker_config, compile="wait", num_pages=WORKER_NUM_PAGES)
-        argv = [sys.executable, "-m", "minisgl.core.compile", json.dumps(cfg),
+        argv = [sys.executable, "-m", "minisgl.core.compile", json.dumps(self._worker_argv_config()),
                 str(torch.get_num_threads())]
         # stderr to a file: a pipe nobody reads while stdout is followed could fill and stall it
         with tempfile.TemporaryFile() as err:
@@ -261,11 +301,36 @@ class StepGraphs:
             log.warning("compile worker exited with %s without %s; they run eager: %s",
                         proc.returncode, ", ".join(f"{k[0]} {k[1]}-{k[2]}" for k in missing), why)
 
+    def _worker_argv_config(self) -> dict[str, Any]:
+        assert self._worker_config is not None
+        return dict(self._worker_config, compile="wait", num_pages=WORKER_NUM_PAGES)
+
+    def _load_warm(self, marker: Path) -> bool:
+        """Every graph from the cache, on this thread, one after the other (each comes into use
+        as it is loaded); False, the marker removed, at the first that was compiled instead
+        (it is ready all the same) or failed: the worker does the rest."""
+        for k in self.keys:
+            before = _compiled_anew()
+            self.compile_one(k)
+            if k in self.failed or _compiled_anew() > before:
+                self.failed.pop(k, None)  # the worker tries it again
+                marker.unlink(missing_ok=True)
+                log.info("the compile cache did not hold the %s graph for batch %s-%s; the "
+                         "compile worker does the rest", *k)
+                return False
+        return True
+
     def _background(self) -> None:
         if self._worker_config is None:
             self.compile_all()
-        else:
-            self._run_worker()
+            return
+        marker = warm_marker(self._worker_argv_config(), torch.get_num_threads())
+        if marker.exists() and self._load_warm(marker):
+            return
+        self._run_worker()
+        if self.ready == set(self.keys):
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
 
     def start(self, wait: bool) -> None:
         if wait:
