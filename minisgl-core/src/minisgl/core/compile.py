@@ -186,7 +186,7 @@ class StepGraphs:
                  dummy: dict[str, Callable[[int], tuple[Any, ...]]], max_batch: int,
                  worker_config: dict[str, Any] | None = None, max_rows: int | None = None,
                  comm: Communicator | None = None) -> None:
-        _use_persistent_cache()
+        self._fn = fn
         self._comm = comm or Communicator()  # the group the graphs' collectives run on
         # a prefill graph's sampled rows range over 2..max_rows (an int8 LM head without the
         # int8 kernel switches from ATen's matmul at INT8_MM_MAX_ROWS rows; a graph covers one
@@ -197,9 +197,10 @@ class StepGraphs:
         self.keys: list[Key] = [("decode", lo, hi) for lo, hi in buckets_for(max_batch)]
         if "prefill" in dims:
             self.keys += prefill_keys(max_batch)
-        self._compiled = {k: torch.compile(_own_code(fn, f"{k[0]}_{k[1]}_to_{k[2]}"),
-                                           dynamic=False, options=dict(GRAPH_OPTIONS))
-                          for k in self.keys}
+        # torch.compile's wrappers, made where compiling starts (_prepare): importing Dynamo
+        # and Inductor takes ~1 s of the engine's start (~1.7 s beside a server's other
+        # processes on 2 cores), which with `on` then happens after the engine is up
+        self._compiled: dict[Key, Callable[..., Any]] = {}
         self.ready: set[Key] = set()
         self.failed: dict[Key, str] = {}
         self.compile_seconds: dict[Key, float] = {}
@@ -234,7 +235,16 @@ class StepGraphs:
             out: torch.Tensor = self._compiled[key](*args)
         return out
 
+    def _prepare(self) -> None:
+        if self._compiled:
+            return
+        _use_persistent_cache()
+        self._compiled = {k: torch.compile(_own_code(self._fn, f"{k[0]}_{k[1]}_to_{k[2]}"),
+                                           dynamic=False, options=dict(GRAPH_OPTIONS))
+                          for k in self.keys}
+
     def compile_one(self, key: Key) -> None:
+        self._prepare()
         start = time.perf_counter()
         try:
             # the marks matter while tracing only: later steps are checked by the shape guards
@@ -287,7 +297,7 @@ class StepGraphs:
                 parts = line.decode(errors="replace").split()
                 if len(parts) == 4 and parts[0] == READY_LINE:
                     key = (parts[1], int(parts[2]), int(parts[3]))
-                    if key in self._compiled and key not in self.ready:
+                    if key in self.keys and key not in self.ready:
                         self.compile_one(key)
             proc.wait()
             if proc.pid in _killed:  # this process is exiting: nothing left to report
@@ -321,6 +331,7 @@ class StepGraphs:
         return True
 
     def _background(self) -> None:
+        self._prepare()  # (the worker's cache directory too)
         if self._worker_config is None:
             self.compile_all()
             return
