@@ -369,6 +369,34 @@ def test_warm_start_loads_graphs_without_a_worker(tiny_dirs: dict, tmp_path: Pat
     assert len(names | {marker({"a": 1}, 1)}) == 4
 
 
+def test_engine_is_built_before_dynamo_loads(tiny_dirs: dict, tmp_path: Path) -> None:
+    """compile='on': the engine is up (a server reports ready) before Dynamo and Inductor are
+    imported (~1 s of a start, ~1.7 s beside a server's other processes): the compile thread
+    imports them. A fresh process, its compile thread held back until the engine is built."""
+    script = f"""
+import sys, threading
+from minisgl.core import LLM, compile as compile_mod
+gate = threading.Event()
+background = compile_mod.StepGraphs._background
+def held(self):
+    gate.wait()
+    background(self)
+compile_mod.StepGraphs._background = held
+llm = LLM({str(tiny_dirs["qwen3-tied"])!r}, dtype="float32", compile="on", max_running_requests=1)
+assert llm.engine.graphs is not None
+early = sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules)
+gate.set()
+llm.engine.graphs.join(timeout=600)
+print("EARLY", early, "READY", sorted(llm.engine.graphs.ready))
+llm.close()
+"""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "EARLY [] READY [('decode', 1, 1)]" in out.stdout, out.stdout
+
+
 def test_prepacked_linear_equals_f_linear() -> None:
     """Whichever prepacked path this CPU has: the CPU kernels' (registered by load()), else
     oneDNN's."""
