@@ -372,11 +372,11 @@ def test_warm_start_loads_graphs_without_a_worker(tiny_dirs: dict, tmp_path: Pat
 def test_engine_is_built_before_dynamo_loads(tiny_dirs: dict, tmp_path: Path) -> None:
     """compile='on': the engine is up (a server reports ready) before Dynamo and Inductor are
     imported (~1 s of a start, ~1.7 s beside a server's other processes): the compile thread
-    imports them. A fresh process, its compile thread held back until the engine is built."""
+    imports them. A fresh process, its compile thread held back."""
     script = f"""
 import sys, threading
 from minisgl.core import LLM, compile as compile_mod
-gate = threading.Event()
+gate = threading.Event()  # never set
 background = compile_mod.StepGraphs._background
 def held(self):
     gate.wait()
@@ -384,17 +384,14 @@ def held(self):
 compile_mod.StepGraphs._background = held
 llm = LLM({str(tiny_dirs["qwen3-tied"])!r}, dtype="float32", compile="on", max_running_requests=1)
 assert llm.engine.graphs is not None
-early = sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules)
-gate.set()
-llm.engine.graphs.join(timeout=600)
-print("EARLY", early, "READY", sorted(llm.engine.graphs.ready))
-llm.close()
+print("EARLY", sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules))
+llm.close()  # (the compile thread, a daemon, never started compiling)
 """
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "EARLY [] READY [('decode', 1, 1)]" in out.stdout, out.stdout
+    assert "EARLY []" in out.stdout, out.stdout
 
 
 def test_prepacked_linear_equals_f_linear() -> None:
