@@ -5,8 +5,10 @@ the offline engine's tokenizer, at a fraction of the memory."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,6 +35,7 @@ tok = load_tokenizer(sys.argv[1])
 inp = json.loads(sys.argv[2])
 print(json.dumps({
     "torch": sys.modules.get("torch") is not None,
+    "model modules": sorted(m for m in sys.modules if m.startswith("transformers.models.")),
     "encode": [tok.encode(t) for t in inp["texts"]],
     "chat": [chat_token_ids(tok, c) for c in inp["conversations"]],
     "decode": [[tok.decode(i, skip_special_tokens=s) for s in (True, False)] for i in inp["ids"]],
@@ -62,9 +65,34 @@ def test_tokenizer_without_torch_matches_the_offline_one(smollm2_path: str) -> N
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.splitlines()[-1])
     assert got.pop("torch") is False, "torch was loaded"
+    # the generic class loaded directly: AutoConfig's model modules never imported
+    assert got.pop("model modules") == []
     want.pop("torch")
     assert got == want
     assert "PyTorch was not found" not in out.stderr
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3", "qwen2"])
+def test_generic_tokenizer_is_autotokenizers_choice(smollm2_path: str, tmp_path: Path,
+                                                    model_type: str) -> None:
+    """load_tokenizer skips AutoTokenizer's class lookup for the model types it lists
+    (GENERIC_MODEL_TYPES); for each, and for one it does not list (qwen2, where AutoTokenizer
+    overrides the checkpoint's generic declaration), the class and behaviour are AutoTokenizer's."""
+    from transformers import AutoTokenizer
+
+    from minisgl.core.tokenizer import GENERIC_MODEL_TYPES, _declares_generic, load_tokenizer
+
+    for f in Path(smollm2_path).iterdir():
+        if f.suffix in (".json", ".jinja") and f.name != "config.json":
+            shutil.copy(f, tmp_path / f.name)
+    config = json.loads((Path(smollm2_path) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, model_type=model_type)))
+    assert _declares_generic(str(tmp_path)) == (model_type in GENERIC_MODEL_TYPES)
+    want = AutoTokenizer.from_pretrained(str(tmp_path))
+    got = load_tokenizer(str(tmp_path))
+    assert type(got) is type(want)
+    assert describe(got) == describe(want)
+    assert got.eos_token_id == want.eos_token_id and got.pad_token_id == want.pad_token_id
 
 
 def test_hide_torch_leaves_a_loaded_torch_alone() -> None:
