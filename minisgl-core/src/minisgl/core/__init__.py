@@ -15,7 +15,9 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams", "hookimpl"]
 
 def __getattr__(name: str) -> Any:  # LLM pulls in the engine; import it only when asked for
     if name in ("LLM", "RequestOutput"):
-        from minisgl.core import llm
+        from minisgl.core.gc_pause import paused
 
+        with paused():  # torch and the engine's modules (gc_pause)
+            from minisgl.core import llm
         return getattr(llm, name)
     raise AttributeError(name)

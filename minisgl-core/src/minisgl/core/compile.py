@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from minisgl.core.distributed import LOCAL, Communicator, bind
+from minisgl.core.gc_pause import paused
 
 log = logging.getLogger("minisgl.compile")
 
@@ -331,13 +332,15 @@ class StepGraphs:
         return True
 
     def _background(self) -> None:
-        self._prepare()  # (the worker's cache directory too)
+        with paused():  # Dynamo's and Inductor's modules (gc_pause)
+            self._prepare()  # (the worker's cache directory too)
         if self._worker_config is None:
             self.compile_all()
             return
         marker = warm_marker(self._worker_argv_config(), torch.get_num_threads())
-        if marker.exists() and self._load_warm(marker):
-            return
+        with paused():
+            if marker.exists() and self._load_warm(marker):
+                return
         self._run_worker()
         if self.ready == set(self.keys):
             marker.parent.mkdir(parents=True, exist_ok=True)

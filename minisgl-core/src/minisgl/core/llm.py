@@ -14,6 +14,7 @@ from minisgl.core.bundled import resolve_model
 from minisgl.core.child import free_addr
 from minisgl.core.config import EngineConfig, check_tp_split
 from minisgl.core.engine import Engine
+from minisgl.core.gc_pause import paused
 from minisgl.core.request import Req
 from minisgl.core.sampling_params import SamplingParams
 from minisgl.core.tokenizer import Message, chat_token_ids, load_tokenizer
@@ -48,6 +49,10 @@ class LLM:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"LLM got unknown options {unknown}; known: {sorted(known | {'tp'})}")
+        with paused():  # what is built here lives as long as the engine (gc_pause)
+            self._start(model, dtype, tp, kwargs)
+
+    def _start(self, model: str, dtype: str, tp: int, kwargs: dict[str, Any]) -> None:
         path = resolve_model(model)
         self.config = EngineConfig(model=path, dtype=dtype, tp_size=tp, **kwargs)
         self._workers: list[Any] = []

@@ -21,6 +21,8 @@ import os
 import sys
 from typing import Any
 
+from minisgl.core.gc_pause import paused
+
 Message = dict[str, Any]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # one class in transformers 5
@@ -44,13 +46,14 @@ def load_tokenizer(path: str) -> Any:
     still take token-id prompts."""
     if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
         return None
-    if _declares_generic(path):
-        from transformers import PreTrainedTokenizerFast
+    with paused():  # transformers' modules (gc_pause)
+        if _declares_generic(path):
+            from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    from transformers import AutoTokenizer
+            return PreTrainedTokenizerFast.from_pretrained(path)
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
 
 
 def _declares_generic(path: str) -> bool:

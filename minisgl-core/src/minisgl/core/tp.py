@@ -17,6 +17,7 @@ from typing import Any
 from minisgl.core.child import die_with_parent
 from minisgl.core.config import EngineConfig
 from minisgl.core.distributed import ControlChannel, connect
+from minisgl.core.gc_pause import paused
 from minisgl.core.request import Req
 from minisgl.core.sampling_params import SamplingParams
 from minisgl.core.scheduler import Scheduler
@@ -144,19 +145,20 @@ def start_rank(config: EngineConfig, addr: str, local_ranks: int = 1,
                ) -> tuple[Scheduler, ControlChannel | None]:
     """This process's rank of the group: connect, load its slice of the model, build a scheduler.
     ``local_ranks``: how many ranks share this machine (sets torch's CPU threads at TP > 1)."""
-    import torch
+    with paused():  # the engine's Python objects live as long as it (gc_pause)
+        import torch
 
-    from minisgl.core.engine import Engine
+        from minisgl.core.engine import Engine
 
-    threads = cpu_threads(config, local_ranks)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    if config.tp_size == 1:
-        return Scheduler(Engine(config)), None
-    comm, channel = connect(config.tp_rank, config.tp_size, addr, config.torch_device,
-                            config.dist_timeout, dead_ranks,
-                            same_host=local_ranks == config.tp_size)
-    return Scheduler(Engine(config, comm)), channel
+        threads = cpu_threads(config, local_ranks)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if config.tp_size == 1:
+            return Scheduler(Engine(config)), None
+        comm, channel = connect(config.tp_rank, config.tp_size, addr, config.torch_device,
+                                config.dist_timeout, dead_ranks,
+                                same_host=local_ranks == config.tp_size)
+        return Scheduler(Engine(config, comm)), channel
 
 
 def run_rank(config: EngineConfig, addr: str, local_ranks: int) -> None:

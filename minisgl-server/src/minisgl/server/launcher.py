@@ -24,6 +24,7 @@ from typing import Any
 import uvicorn
 
 from minisgl.core.config import EngineConfig, ModelConfig
+from minisgl.core.gc_pause import paused
 from minisgl.server import detokenizer_proc, tokenizer_proc
 from minisgl.server.api import Pipeline, build_app
 from minisgl.server.ipc import Endpoints
@@ -113,14 +114,14 @@ def _stop(children: list[mp.process.BaseProcess], timeout: float = 5.0) -> None:
 # The scheduler processes' entry points, by way of functions of this module: the launcher never
 # imports scheduler_proc (the engine, torch), only its children do (~130 MB less for the API).
 def _run_scheduler(*args: Any) -> None:
-    from minisgl.server import scheduler_proc
-
+    with paused():  # torch and the engine's modules (minisgl.core.gc_pause)
+        from minisgl.server import scheduler_proc
     scheduler_proc.run(*args)
 
 
 def _run_rank(*args: Any) -> None:
-    from minisgl.server import scheduler_proc
-
+    with paused():
+        from minisgl.server import scheduler_proc
     scheduler_proc.run_rank(*args)
 
 
