@@ -49,11 +49,12 @@ class LLM:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"LLM got unknown options {unknown}; known: {sorted(known | {'tp'})}")
-        with paused():  # what is built here lives as long as the engine (gc_pause)
-            self._start(model, dtype, tp, kwargs)
-
-    def _start(self, model: str, dtype: str, tp: int, kwargs: dict[str, Any]) -> None:
+        # (outside the pause: a first run converts the bundled model, whose copies are garbage)
         path = resolve_model(model)
+        with paused():  # what is built here lives as long as the engine (gc_pause)
+            self._start(path, dtype, tp, kwargs)
+
+    def _start(self, path: str, dtype: str, tp: int, kwargs: dict[str, Any]) -> None:
         self.config = EngineConfig(model=path, dtype=dtype, tp_size=tp, **kwargs)
         self._workers: list[Any] = []
         addr = ""
