@@ -42,8 +42,10 @@ def test_buckets_cover_every_batch_size_once() -> None:
 
 
 def test_modes() -> None:
-    assert resolve_mode("auto", CPU) == "on"
+    assert resolve_mode("auto", CPU) == "on"  # decoder layers as modules
+    assert resolve_mode("auto", CPU, layers_in_one_call=True) == "off"
     assert resolve_mode("auto", torch.device("cuda")) == "off"
+    assert resolve_mode("wait", CPU, layers_in_one_call=True) == "wait"
     assert resolve_mode("on", CPU) == "on"
     assert resolve_mode("wait", CPU) == "wait"
     assert resolve_mode("off", CPU) == "off"

@@ -108,6 +108,34 @@ def test_fused_layer_variants(tmp_path: Path, name: str, overrides: dict[str, An
     assert exact >= 0.75 * len(rec0)
 
 
+@pytest.mark.parametrize(("fused", "dtype", "mode"), [
+    ("on", "bfloat16", "off"),  # the layers in one call: eager steps, no graphs
+    ("off", "bfloat16", "on"),  # MINISGL_FUSED_LAYER=off: the modules, compiled
+    ("on", "float32", "on"),  # no float32 kernel: the modules, compiled
+])
+def test_auto_compiles_where_the_layers_run_as_modules(tmp_path: Path, fused: str, dtype: str,
+                                                       mode: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile="auto" on CPU: off where every step's decoder layers are one backend call (the
+    eager step measured as fast as the graph's), on where they run as modules."""
+    from minisgl.core.compile import StepGraphs
+
+    started: list[bool] = []
+    monkeypatch.setattr(StepGraphs, "start", lambda self, wait: started.append(wait))
+    monkeypatch.setenv("MINISGL_FUSED_LAYER", fused)
+    path = save_tiny(SPEC_BY_NAME["llama-gqa-untied-llama3"], tmp_path / "m", head_dim=32)
+    llm = LLM(str(path), dtype=dtype, compile="auto", num_pages=64, page_size=4)
+    try:
+        assert llm.engine.model.layers_in_one_call == (mode == "off")
+        assert llm.engine.compile_mode == mode
+        assert (llm.engine.graphs is None) == (mode == "off")
+        assert started == ([] if mode == "off" else [False])  # "on": in the background
+        prompts = make_prompts([9, 20], VOCAB, seed=4)
+        assert all(len(o.token_ids) == 6 for o in llm.generate(prompts, greedy(6)))
+    finally:
+        llm.close()
+
+
 def test_fused_layer_in_compiled_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode graphs trace the one call (a mutating op on the pool, a None residual in the
     first layer) and give the eager engine's logits, and its tokens but where eager's logits

@@ -119,3 +119,24 @@ def test_measure_read_reports_bytes_per_second() -> None:
     probe = torch.ones(1 << 20)  # 4 MB
     speed = bench.measure_read(probe, reps=3)
     assert 1e8 < speed < 1e13  # plausible for any machine: 0.1 GB/s .. 10 TB/s
+
+
+def test_bench_engines_compile_as_auto_decides(smollm2_path: str, monkeypatch) -> None:
+    """The bench's first engine decides ``auto`` for the run (SmolLM2's decoder layers are one
+    kernel call on CPU: eager), the engines after it and the server get that choice as an
+    explicit mode, and an ``on`` asked for compiles before timing (``wait``)."""
+    from minisgl.backends import cpu_kernels
+    from minisgl.core import LLM
+    from minisgl.server.cli import build_parser
+
+    if not cpu_kernels.load():
+        pytest.skip("no CPU kernels here: auto would compile (minutes)")
+    monkeypatch.delenv("MINISGL_COMPILE", raising=False)  # tests/conftest.py sets "off"
+    args = build_parser().parse_args(["bench", "latency", "--model", smollm2_path])
+    assert bench.bench_engine_kwargs(args).get("compile", "auto") == "auto"
+    with LLM(model=smollm2_path, **bench.bench_engine_kwargs(args)) as llm:
+        bench.settle_compile(args, llm)
+        assert llm.engine.compile_mode == "off" and llm.engine.graphs is None
+    assert bench.bench_engine_kwargs(args)["compile"] == "off"
+    on = build_parser().parse_args(["bench", "latency", "--model", smollm2_path, "--compile", "on"])
+    assert bench.bench_engine_kwargs(on)["compile"] == "wait"

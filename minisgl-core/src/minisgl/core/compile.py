@@ -8,9 +8,15 @@ get two graphs (one request; 2..max_running_requests) with the token count symbo
 the attention backend can trace its prefill (``prefill_dims``; the CPU kernel can, the PyTorch
 path cannot): eager, a prefill step spends ~20% of its time in norms, RoPE and casts.
 
-Why it pays on CPU: a single-token step is ~1,000 small ops (norms, RoPE, residuals, softmax,
-casts) around the weight matmuls; Inductor fuses them into a few C++ loops. The matmuls
-themselves stay library calls (the CPU kernels' bf16 linear, oneDNN, int8, or aten).
+Where it pays on CPU: a single-token step of a model run as modules is ~1,000 small ops (norms,
+RoPE, residuals, softmax, casts) around the weight matmuls; Inductor fuses them into a few C++
+loops. The matmuls themselves stay library calls (the CPU kernels' bf16 linear, oneDNN, int8, or
+aten). Where the backend runs a step's decoder layers in one call (core/layers/fused.py), what is
+left around it is ~10 ops, and the eager step measured as fast as the graph's (SmolLM2, one
+process alternating, medians of 10-12 pairs: 1, 8, 32 and 64 decoding requests, 1,024- and
+4 x 256-token prefills within 0.997-1.013x in bf16 and 0.990-1.020x in int8), while the graphs
+cost ~600-1,000 MB more memory at a server's start and their load or compile beside the first
+requests (docs/benchmarks.md): there ``auto`` does not compile.
 
 Compiling costs 1-10 s per bucket for SmolLM2 on 2 cores where the decoder layers are one C++
 op (33-39 s with the PyTorch modules), and most of it is Python holding the GIL: on a thread of
@@ -23,9 +29,10 @@ the serving process it would stall every eager step. So:
   next. Steps run eager until their bucket is ready, and stay eager where compilation failed
   (logged);
 * ``wait``: compile every bucket in-process before the engine serves (benchmarks, tests);
-* ``off``: never compile. ``auto`` = ``on`` on CPUs (every tensor-parallel rank: each compiles
-  its own graphs, their collectives are ops bound to the rank's group, see distributed.py),
-  ``off`` on GPUs, which run eager for now;
+* ``off``: never compile. ``auto`` = ``on`` on CPUs where the model runs its decoder layers as
+  modules (every tensor-parallel rank: each compiles its own graphs, their collectives are ops
+  bound to the rank's group, see distributed.py), ``off`` where they run in one call
+  (``CausalLM.layers_in_one_call``) and on GPUs, which run eager for now;
 * the cache lives in ``~/.cache/minisgl/inductor`` (``TORCHINDUCTOR_CACHE_DIR`` overrides it):
   a later start with the same model shapes, dtype and flags finds its graphs there. Once a
   worker has compiled every graph of a config, a marker says so (``warm_marker``): a later
@@ -73,9 +80,11 @@ DynamicDims = list[tuple[torch.Tensor, int, str]]
 Key = tuple[str, int, int]
 
 
-def resolve_mode(mode: str, device: torch.device) -> str:
+def resolve_mode(mode: str, device: torch.device, layers_in_one_call: bool = False) -> str:
+    """``mode`` with ``auto`` decided: ``on`` for a CPU model whose decoder layers run as modules,
+    else ``off``."""
     if mode == "auto":
-        return "on" if device.type == "cpu" else "off"
+        return "on" if device.type == "cpu" and not layers_in_one_call else "off"
     return mode
 
 

@@ -149,7 +149,8 @@ class Engine:
         self.graphs: StepGraphs | None = None
         # sampled rows a compiled prefill graph covers (None: any); more run eager
         self.prefill_graph_rows: int | None = None
-        self.compile_mode = resolve_mode(config.compile, self.device)
+        self.compile_mode = resolve_mode(config.compile, self.device,
+                                         self.model.layers_in_one_call)
         if self.compile_mode != "off":
             dims: dict[str, Callable[..., DynamicDims]] = {"decode": self._decode_dims}
             dummy: dict[str, Callable[[int], tuple[Any, ...]]] = {"decode": self._dummy_decode}

@@ -44,6 +44,13 @@ class CausalLM(nn.Module):
         and the attention backend is built, before any step: set up what depends on both (the
         Llama family asks for its layers' one call here, core/layers/fused.py). Default: nothing."""
 
+    @property
+    def layers_in_one_call(self) -> bool:
+        """True where ``bind`` gave the decoder layers of every step to one backend call: then
+        ``compile="auto"`` stays eager, whose steps measured as fast as the compiled graph's
+        (core/compile.py). Default: False."""
+        return False
+
     def skip_weight(self, name: str) -> bool:
         if any(s in name for s in self.ignored_weights):
             return True

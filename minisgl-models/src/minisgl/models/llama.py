@@ -147,5 +147,9 @@ class LlamaForCausalLM(CausalLM):
     def bind(self, backend: AttentionBackend) -> None:
         self.model.fused = bind_fused_decoder_layers(self.model.parts, backend)
 
+    @property
+    def layers_in_one_call(self) -> bool:
+        return self.model.fused is not None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

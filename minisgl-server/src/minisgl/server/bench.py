@@ -719,17 +719,26 @@ def compare_list(value: str) -> list[str]:
 
 def bench_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags, with compilation (where it is on) finished before timing starts: the
-    bench measures the steady state and reports compile time apart."""
-    import torch
-
-    from minisgl.core.compile import resolve_mode
+    bench measures the steady state and reports compile time apart. ``auto`` is decided by the
+    first engine built (``settle_compile``), per model; ``on`` becomes ``wait``."""
     from minisgl.core.config import default_mode
     from minisgl.server.cli import engine_kwargs
 
     kw = engine_kwargs(args)
-    if resolve_mode(kw.get("compile") or default_mode(), torch.device(args.device)) == "on":
+    if (kw.get("compile") or default_mode()) == "on":
         kw["compile"] = "wait"
     return kw
+
+
+def settle_compile(args: argparse.Namespace, llm: Any) -> None:
+    """After the run's first engine: wait for its graphs where ``auto`` chose to compile them,
+    and give the engines built after it (and the server) what it chose, as ``wait`` or
+    ``off``."""
+    graphs = llm.engine.graphs
+    if graphs is not None:
+        graphs.join()  # auto's "on": the compile worker, then the graphs loaded
+        log(f"graphs compiled in {graphs.describe()}")
+    args.compile = "off" if graphs is None else "wait"
 
 
 def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
@@ -740,8 +749,8 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
     kw = bench_engine_kwargs(args)
     log(f"loading minisgl ({args.model})")
     llm = LLM(model=args.model, **kw)
-    if llm.engine.graphs is not None:
-        log(f"graphs compiled in {llm.engine.graphs.describe()}")
+    settle_compile(args, llm)
+    kw = bench_engine_kwargs(args)
     systems: list[System] = [MinisglSystem(llm)]
     if args.vs_overlap:
         systems.append(MinisglSystem(LLM(model=args.model, **dict(kw, overlap=True)),

@@ -38,12 +38,13 @@ def read_text(paths: list[str] | None) -> tuple[str, list[str]]:
 
 def measure(args: argparse.Namespace, quantization: str | None, text: str) -> dict[str, Any]:
     from minisgl.core import LLM, SamplingParams
-    from minisgl.server.bench import bench_engine_kwargs
+    from minisgl.server.bench import bench_engine_kwargs, settle_compile
 
     kw = dict(bench_engine_kwargs(args), quantization=quantization)
     name = quantization or "unquantized"
     log(f"loading minisgl ({args.model}, {name})")
     with LLM(model=args.model, **kw) as llm:
+        settle_compile(args, llm)
         log(f"{name}: perplexity")
         ppl = llm.perplexity(text, window=512)
         log(f"{name}: {len(PROMPTS)} chat prompts")

@@ -55,7 +55,10 @@ def child(model: str, tp: int, dtype: str, threads: int | None, compile_mode: st
     from minisgl.core import LLM, SamplingParams
     if threads:
         torch.set_num_threads(threads)
-    if compile_mode in ("auto", "on"):  # compiled at every TP size, before timing
+    # graphs compiled before timing where compilation is on; auto's choice is the engine's at
+    # one rank (off where the decoder layers run in one call), on with more (TP ranks run the
+    # layers as modules: core/layers/fused.py)
+    if compile_mode == "on" or (compile_mode == "auto" and tp > 1):
         compile_mode = "wait"
     t0 = time.perf_counter()
     # The KV pool holds the same tokens at every TP size, all of the 16 x (64 + 64) batch below
@@ -65,6 +68,8 @@ def child(model: str, tp: int, dtype: str, threads: int | None, compile_mode: st
     page = 16
     llm = LLM(model=model, dtype=dtype, tp=tp, page_size=page, num_pages=16 * 128 // page + 16,
               compile=compile_mode, max_running_requests=16)
+    if llm.engine.graphs is not None:
+        llm.engine.graphs.join()  # auto's "on" at one rank
     load_s = time.perf_counter() - t0
     graphs = llm.engine.graphs.describe() if llm.engine.graphs is not None else "eager"
     vocab = llm.engine.model_config.vocab_size

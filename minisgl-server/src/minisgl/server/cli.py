@@ -49,8 +49,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", default=None, choices=COMPILE_MODES,
                    help="torch.compile of the decode and prefill steps: on = in the "
                         "background, eager until ready; wait = before serving; auto (default, "
-                        "$MINISGL_COMPILE overrides) = on for CPU ranks (every TP rank too), "
-                        "off on GPUs; minisgl generate: off unless asked for")
+                        "$MINISGL_COMPILE overrides) = on for CPU ranks whose decoder layers run "
+                        "as modules (every TP rank), off where the CPU kernels run them in one "
+                        "call (as fast eager) and on GPUs; minisgl generate: off unless asked "
+                        "for")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -67,8 +69,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def generate_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``engine_kwargs`` with compilation off unless asked for (``--compile`` or
     $MINISGL_COMPILE): a one-shot run ends before the graphs pay for their compile worker (a
-    64-token answer took 6.2-6.6 s with it against 3.8-4.7 s without on 2 cores; once ready,
-    the graphs save ~0.3 ms of a ~9 ms step)."""
+    64-token answer took 6.2-6.6 s with it against 3.8-4.7 s without on 2 cores)."""
     kw = engine_kwargs(args)
     if "compile" not in kw and "MINISGL_COMPILE" not in os.environ:
         kw["compile"] = "off"
