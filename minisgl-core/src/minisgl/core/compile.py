@@ -15,8 +15,9 @@ aten). Where the backend runs a step's decoder layers in one call (core/layers/f
 left around it is ~10 ops, and the eager step measured as fast as the graph's (SmolLM2, one
 process alternating, medians of 10-12 pairs: 1, 8, 32 and 64 decoding requests, 1,024- and
 4 x 256-token prefills within 0.997-1.013x in bf16 and 0.990-1.020x in int8), while the graphs
-cost ~600-1,000 MB more memory at a server's start and their load or compile beside the first
-requests (docs/benchmarks.md): there ``auto`` does not compile.
+cost a SmolLM2 server ~120 MB, 2-5x the latency of its first ~8 s of requests while they load,
+and on a first start a compile worker (~750 MB more; docs/benchmarks.md): there ``auto`` does
+not compile.
 
 Compiling costs 1-10 s per bucket for SmolLM2 on 2 cores where the decoder layers are one C++
 op (33-39 s with the PyTorch modules), and most of it is Python holding the GIL: on a thread of
