@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import weakref
+from collections import Counter
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ from minisgl.core.layers import quant
 from minisgl.core.request import Req
 from minisgl.core.sampling_params import SamplingParams
 from minisgl.core.testing.attention import run_case
+from tests.core.test_sampling import ref_draw, ref_keep, softmax64
 
 
 def _cpu_flags() -> set[str]:
@@ -984,18 +986,135 @@ def test_argmax_logsumexp_matches_float64(cols: int) -> None:
     assert sampling._argmax_lse == torch.ops.minisgl_cpu.argmax_logsumexp.default
 
 
+def _draw_cases(vocab: int, rows: int, seed: int) -> tuple[torch.Tensor, list[tuple]]:
+    """Logits and (temperature, top_k, top_p, min_p) per row: random scales, bf16-rounded rows
+    (ties), every filter alone and together, a flat row, rows whose top-k or top-p set reaches
+    far below the top token (the kernel's candidates widen: e down to 2^-40 and to 0)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * (torch.rand(rows, 1, generator=g) * 5 + 0.3)
+    logits[::3] = logits[::3].bfloat16().float()
+    params: list[tuple] = []
+    for _ in range(rows):
+        r = torch.rand(5, generator=g).tolist()
+        params.append((0.2 + 1.5 * r[0], int(1 + r[1] * vocab * 1.1) if r[2] < 0.5 else -1,
+                       0.01 + 0.99 * r[3] if r[4] < 0.5 else 1.0,
+                       0.5 * r[2] if r[0] < 0.3 else 0.0))
+    if rows >= 6 and vocab >= 16:
+        logits[0] = 0.0  # flat
+        params[0] = (1.0, -1, 0.5, 0.0)
+        # one top token and a tail below e^-7.5 < 2^-10 holding a third of the mass and more:
+        # the top-k or top-p set reaches into it, and its tokens win draws
+        tail = torch.full((vocab,), -7.5)
+        tail[vocab // 3] = 0.0
+        for i in range(1, rows // 4):
+            logits[i] = tail
+            params[i] = (1.0, vocab // 2 + 3, 1.0, 0.0) if i % 2 else (1.0, -1, 0.9, 0.0)
+        few = torch.full((vocab,), -60.0)  # the top-k set reaches below e^-25 > 2^-40
+        few[: vocab // 2] = -25.0
+        few[:8] = 0.0
+        logits[rows // 4] = few
+        params[rows // 4] = (1.0, vocab // 2 + 3, 1.0, 0.0)
+        params[rows // 4 + 1] = (0.5, 1, 1.0, 0.0)  # top_k 1 with a temperature
+        params[rows // 4 + 2] = (2.0, -1, 1e-9, 0.0)  # only the top token
+    return logits, params
+
+
+@pytest.mark.parametrize("vocab,rows", [(1, 3), (7, 8), (8, 8), (300, 64), (1000, 40),
+                                        (49152, 12)])
+def test_sample_rows_matches_plain_python(vocab: int, rows: int) -> None:
+    """Each row's token as the float64 plain-Python draw (the filters' kept set, then the race
+    with the documented hash), through a strided view too."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    logits, params = _draw_cases(vocab, rows, vocab)
+    keys = torch.randint(0, 2**62, (rows,), generator=torch.Generator().manual_seed(7))
+    t, k, p, mp = zip(*params)
+    args = (torch.tensor(t, dtype=torch.float32), torch.tensor(k), torch.tensor(p, dtype=torch.float64),
+            torch.tensor(mp, dtype=torch.float32), keys)
+    want = [ref_draw(logits[i].tolist(), float(args[0][i]), k[i], p[i], float(args[3][i]),
+                     int(keys[i])) for i in range(rows)]
+    for view in (logits, torch.cat([logits, logits], dim=1)[:, :vocab]):
+        got = torch.ops.minisgl_cpu.sample_rows(view, *args)
+        assert got.dtype == torch.int64
+        assert got.tolist() == want
+
+
+def test_sample_rows_leaves_nan_and_inf_rows_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """-1 for a row with NaN or +-inf logits; the sampler answers it as the torch path does and
+    the other rows as the kernel does."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    logits[1, 10] = float("nan")
+    logits[2, 5] = float("inf")
+    logits[3] = float("-inf")
+    ones = torch.ones(5)
+    got = torch.ops.minisgl_cpu.sample_rows(logits, ones, torch.full((5,), -1),
+                                            torch.ones(5, dtype=torch.float64), torch.zeros(5),
+                                            torch.arange(5))
+    assert got[1:4].tolist() == [-1, -1, -1] and 0 <= int(got[0]) < 64 and 0 <= int(got[4]) < 64
+
+    def reqs() -> list[Req]:
+        return [Req(prompt_ids=[1], params=SamplingParams(temperature=0.9, top_p=0.9),
+                    generator=torch.Generator().manual_seed(i)) for i in range(5)]
+
+    sampler = sampling.TorchSampler(64, torch.device("cpu"))
+    fast = sampler.sample(logits, reqs()).tokens
+    monkeypatch.setattr(sampling, "_sample_rows_fn", None)
+    assert torch.equal(fast, sampler.sample(logits, reqs()).tokens)
+
+
+def test_sample_rows_frequencies() -> None:
+    """20,000 draws of one row with top-k and top-p against its float64 probabilities."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    n, row = 20_000, [1.0, 0.0, 2.0, -1.0, 0.5, 1.5, -0.5, 0.25, -3.0, 1.2]
+    probs = softmax64(row, 0.8)
+    kept = ref_keep(probs, 7, 0.9, 0.0)
+    mass = sum(probs[i] for i in kept)
+    expect = [probs[i] / mass if i in kept else 0.0 for i in range(len(row))]
+    keys = torch.randint(0, 2**62, (n,), generator=torch.Generator().manual_seed(12))
+    got = torch.ops.minisgl_cpu.sample_rows(
+        torch.tensor(row).expand(n, -1).contiguous(), torch.full((n,), 0.8), torch.full((n,), 7),
+        torch.full((n,), 0.9, dtype=torch.float64), torch.zeros(n), keys).tolist()
+    assert set(got) <= kept
+    counts = Counter(got)
+    for tok, want in enumerate(expect):
+        freq = counts.get(tok, 0) / n
+        assert abs(freq - want) <= 4 * math.sqrt(want * (1 - want) / n) + 2e-3, (tok, freq, want)
+
+
+def test_sample_rows_bad_inputs_are_refused() -> None:
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    ops = torch.ops.minisgl_cpu
+    x, one = torch.zeros(2, 8), torch.ones(2)
+    args = [one, torch.full((2,), -1), torch.ones(2, dtype=torch.float64), torch.zeros(2),
+            torch.zeros(2, dtype=torch.int64)]
+    with pytest.raises(RuntimeError, match="temperature must be > 0"):
+        ops.sample_rows(x, torch.tensor([1.0, 0.0]), *args[1:])
+    with pytest.raises(RuntimeError, match="top_p"):
+        ops.sample_rows(x, args[0], args[1], torch.ones(2), *args[3:])
+    with pytest.raises(RuntimeError, match="keys"):
+        ops.sample_rows(x, *args[:4], torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.sample_rows(x.double(), *args)
+    assert sampling._sample_rows_fn == ops.sample_rows.default
+
+
 def test_sampler_with_kernel_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     """The default sampler gives the same tokens and (to float32 rounding) log-probs with the
-    kernel registered and without it, greedy, seeded and penalised rows mixed in one batch."""
+    kernels registered and without them, greedy, sampled (top-k, top-p, min-p), seeded and
+    penalised rows mixed in one batch."""
     assert cpu_kernels.load(), cpu_kernels.load_error
     g = torch.Generator().manual_seed(5)
-    logits = torch.randn(4, 1000, generator=g) * 3
+    logits = torch.randn(7, 1000, generator=g) * 3
 
     def reqs() -> list[Req]:
         out = []
         for i, params in enumerate([{"temperature": 0.0}, {"temperature": 0.8},
                                     {"temperature": 0.0, "repetition_penalty": 1.3},
-                                    {"temperature": 0.0, "top_logprobs": 3}]):
+                                    {"temperature": 0.0, "top_logprobs": 3},
+                                    {"temperature": 0.7, "top_p": 0.9},
+                                    {"temperature": 1.1, "top_k": 40, "min_p": 0.02},
+                                    {"temperature": 0.9, "top_k": 5, "repetition_penalty": 1.2,
+                                     "top_logprobs": 2}]):
             req = Req(prompt_ids=[1, 2, 3], params=SamplingParams(**params))
             req.generator = torch.Generator().manual_seed(11 + i)
             req.output_ids = [int(logits[i].argmax())]
@@ -1005,6 +1124,7 @@ def test_sampler_with_kernel_matches_torch(monkeypatch: pytest.MonkeyPatch) -> N
     sampler = sampling.TorchSampler(1000, torch.device("cpu"))
     fast = sampler.sample(logits, reqs())
     monkeypatch.setattr(sampling, "_argmax_lse", None)
+    monkeypatch.setattr(sampling, "_sample_rows_fn", None)
     slow = sampler.sample(logits, reqs())
     assert torch.equal(fast.tokens, slow.tokens)
     torch.testing.assert_close(fast.logprobs, slow.logprobs, rtol=1e-6, atol=1e-6)

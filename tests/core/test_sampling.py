@@ -15,10 +15,13 @@ from minisgl.core.sampling import (
     Sampler,
     TorchSampler,
     apply_penalties,
+    draw_keys,
     filter_probs,
+    race,
     row_argmax,
     sample_from_probs,
     token_counts,
+    token_uniforms,
 )
 from minisgl.core.sampling_params import SamplingParams
 
@@ -77,6 +80,36 @@ def ref_keep(probs: list[float], k: int, p: float, min_p: float) -> set[int]:
 
 def kept_set(row: torch.Tensor) -> set[int]:
     return set(torch.nonzero(row > 0).flatten().tolist())
+
+
+def fmix32(h: int) -> int:
+    """MurmurHash3's 32-bit finaliser in plain Python integers."""
+    h ^= h >> 16
+    h = h * 0x85EBCA6B % 2**32
+    h ^= h >> 13
+    h = h * 0xC2B2AE35 % 2**32
+    return h ^ (h >> 16)
+
+
+def ref_uniform(key: int, token: int) -> float:
+    """Token's uniform under a row key, as documented in sampling.token_uniforms."""
+    h = fmix32(fmix32((token + key % 2**32) % 2**32) ^ (key >> 32) % 2**32)
+    return (h + 0.5) / 2**32
+
+
+def ref_draw(logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float,
+             key: int) -> int:
+    """The token the sampler should draw, in float64 plain Python: the filters' kept set, then
+    the race argmax p_i / q_i, q_i = -log(1 - u_i) (the first maximum)."""
+    x = [v / temperature for v in logits]
+    probs = softmax64(x)
+    kept = ref_keep(probs, top_k, top_p, min_p)
+    best, at = -1.0, -1
+    for i in sorted(kept):
+        r = probs[i] / -math.log1p(-ref_uniform(key, i))
+        if r > best:
+            best, at = r, i
+    return at
 
 
 # -- interface ----------------------------------------------------------------------------------
@@ -325,6 +358,53 @@ def test_unseeded_requests_use_sampler_generator() -> None:
     b = sampler(1000).sample(logits, [make_req(None) for _ in range(200)]).tokens
     assert torch.equal(a, b)
     assert len(set(a.tolist())) > 100
+
+
+def test_token_uniforms_match_the_documented_hash() -> None:
+    keys = [0, 1, 2**32 - 1, 2**32, 123456789 * 2**32 + 987654321, 2**62 - 1]
+    vocab = 70_000
+    got = token_uniforms(torch.tensor(keys), vocab, torch.device("cpu"))
+    assert got.dtype == torch.float64 and got.shape == (len(keys), vocab)
+    for b, key in enumerate(keys):
+        for token in (0, 1, 2, 255, 49_151, vocab - 1):
+            assert float(got[b, token]) == ref_uniform(key, token), (key, token)
+
+
+def test_token_uniforms_look_uniform_and_independent() -> None:
+    """Within a row and across rows of random keys: bin counts within 5 sigma of uniform, the
+    mean of -log(1 - u) near 1 (Exp(1)), neighbouring tokens and rows uncorrelated."""
+    keys = draw_keys([torch.Generator().manual_seed(s) for s in range(8)])
+    assert keys.dtype == torch.int64 and len(set(keys.tolist())) == 8
+    assert bool(((keys >= 0) & (keys < 2**62)).all())
+    u = token_uniforms(keys, 50_000, torch.device("cpu"))
+    assert bool(((u > 0) & (u < 1)).all())
+    n = u.numel()
+    counts = torch.histc(u.float(), bins=20, min=0.0, max=1.0)
+    assert bool(((counts - n / 20).abs() <= 5 * math.sqrt(n / 20)).all()), counts
+    q = -torch.log1p(-u)
+    assert abs(float(q.mean()) - 1.0) <= 5 / math.sqrt(n)
+    c = u - 0.5
+    along = float((c[:, 1:] * c[:, :-1]).mean()) / float((c * c).mean())
+    across = float((c[1:] * c[:-1]).mean()) / float((c * c).mean())
+    assert abs(along) <= 5 / math.sqrt(n) and abs(across) <= 5 / math.sqrt(n)
+
+
+def test_race_matches_plain_python_draw() -> None:
+    """race over filter_probs is the plain-Python draw: the filters' kept set, then argmax
+    p_i / q_i with the documented uniforms (ties in the logits included)."""
+    gen = torch.Generator().manual_seed(31)
+    vocab, rows = 300, 40
+    logits = (torch.randn(rows, vocab, generator=gen) * 2).bfloat16().float()  # ties
+    params = [(0.7, -1, 1.0, 0.0), (1.3, 20, 1.0, 0.0), (0.9, -1, 0.8, 0.0), (1.0, -1, 1.0, 0.1),
+              (0.6, 50, 0.5, 0.05)]
+    keys = torch.randint(0, 2**62, (rows,), generator=gen)
+    t, k, p, mp = (torch.tensor([params[i % 5][j] for i in range(rows)]) for j in range(4))
+    probs = filter_probs(torch.softmax(logits / t.float()[:, None], -1), k.long(), p.double(),
+                         mp.float())
+    got = race(probs, keys).tolist()
+    for i in range(rows):
+        want = ref_draw(logits[i].tolist(), *params[i % 5], int(keys[i]))
+        assert got[i] == want, i
 
 
 # -- penalties ----------------------------------------------------------------------------------

@@ -25,6 +25,9 @@
 - ``argmax_logsumexp`` (cpu_sample.cpp): the greedy token and the log-sum-exp of every row of
   float32 logits in one call; ``load()`` registers it with
   ``minisgl.core.sampling.register_argmax_logsumexp`` for the default sampler.
+- ``sample_rows`` (cpu_sample.cpp): a sampled row's token with temperature, top-k, top-p and
+  min-p, without sorting the row or drawing a number per token; registered with
+  ``minisgl.core.sampling.register_sample_rows``.
 
 Every kernel has two builds: AVX-512 (AVX512-BF16, and AVX512-VNNI for the linears: Intel since
 Cooper Lake, AMD since Zen 4) and AVX2 with FMA (x86-64-v3: Intel since Haswell, AMD since Zen;
@@ -62,7 +65,7 @@ from pathlib import Path
 import torch
 
 from minisgl.core.layers.quant import register_bf16_linear, register_int8_linear
-from minisgl.core.sampling import register_argmax_logsumexp
+from minisgl.core.sampling import register_argmax_logsumexp, register_sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +170,7 @@ def _load() -> bool:
     register_int8_linear(ops.int8_pack.default, ops.int8_linear.default,
                          ops.int8_linear_silu.default)
     register_argmax_logsumexp(ops.argmax_logsumexp.default)
+    register_sample_rows(ops.sample_rows.default)
     return True
 
 

@@ -125,25 +125,62 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return out / out.sum(dim=-1, keepdim=True)
 
 
-def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """One token per row of probs [B, V], row i drawn with generators[i]; returns [B] int64.
+# The draw. A row's randomness for one step is one key from its request's generator
+# (draw_keys); token i's uniform is a hash of (key, i) (token_uniforms), the same in the CPU
+# kernel and here, so either path draws the same token from the same logits and seed (up to
+# float rounding at a near tie), and a kernel can hash only the tokens it needs.
 
-    Exponential race: argmax(p / q) with q ~ Exp(1) picks token i with probability p_i. The
-    noise of a row comes only from its own generator, so its draw does not depend on the batch;
-    and a tiny change of the logits (bf16 rounding along another path, a cached prefix) changes
-    the winner only at a near tie, so a seed gives the same tokens run after run (an inverse
-    transform on the cumulative sum, tried, moved with every rounding before the drawn token).
-    q = -log(u), u uniform: torch's exponential_ took 0.93 ms per row of SmolLM2's 49,152 on AMD
-    Zen 4 (a scalar log1p per entry), uniform_ and a vectorised log_ 0.18 ms.
+_M32 = 0xFFFFFFFF
+
+
+def draw_keys(generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One key in [0, 2^62) per row, row i's from generators[i]; [B] int64 on the CPU."""
+    return torch.tensor([int(torch.randint(0, 2**62, (1,), generator=g, device=g.device))
+                         for g in generators], dtype=torch.int64)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 x in [0, 2^32), in halves: no int64 product overflows."""
+    return ((((x >> 16) * c) & 0xFFFF) << 16) + (x & 0xFFFF) * c & _M32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 x in [0, 2^32) (a bijection that mixes every bit)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def token_uniforms(keys: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
+    """[B, vocab] float64 in (0, 1): token i's uniform under row b's key k, (h + 1/2) / 2^32 with
+    h = fmix32(fmix32((i + k mod 2^32) mod 2^32) xor (k >> 32)) (cpu_sample.cpp hashes alike)."""
+    keys = keys.to(device=device, dtype=torch.int64)
+    i = torch.arange(vocab, dtype=torch.int64, device=device)
+    h = _fmix32((i.unsqueeze(0) + (keys & _M32).unsqueeze(1)) & _M32)
+    h = _fmix32(h ^ ((keys >> 32) & _M32).unsqueeze(1))
+    return (h.double() + 0.5) * 2.0**-32
+
+
+def race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Row b's token: argmax_i probs[b, i] / q_i, q_i = -log(1 - u_i) ~ Exp(1) from
+    ``token_uniforms`` (the first maximum); [B] int64.
+
+    The exponential race picks token i with probability p_i (unnormalised p is fine). A row's
+    noise comes only from its key, so its draw does not depend on the batch; and a tiny change
+    of the logits (bf16 rounding along another path, a cached prefix) changes the winner only at
+    a near tie, so a seed gives the same tokens run after run (an inverse transform on the
+    cumulative sum, tried, moved with every rounding before the drawn token). 32-bit uniforms:
+    q is at least 1.2e-10, so a token 1e-10 as likely as the top one can still win.
     """
-    vocab = probs.shape[-1]
-    noise = [torch.empty(vocab, dtype=torch.float32, device=g.device).uniform_(generator=g)
-             .log_().neg_() for g in generators]
-    q = torch.stack(noise).to(probs.device)
-    # u = 0 gives q = inf (p / q = 0: never drawn); q = 0 would make 0/0 NaN, which argmax treats
-    # as the maximum
-    q.clamp_min_(torch.finfo(torch.float32).tiny)
-    return row_argmax(probs.float() / q)
+    q = torch.log1p(-token_uniforms(keys, probs.shape[-1], probs.device)).neg_()
+    return row_argmax(probs.double() / q)
+
+
+def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row of probs [B, V], row i drawn with generators[i] (``race``); [B] int64."""
+    return race(probs, draw_keys(generators))
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -178,6 +215,22 @@ def argmax_logsumexp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if _argmax_lse is not None and x.device.type == "cpu" and x.shape[1] > 0:
         return _argmax_lse(x)
     return row_argmax(x), x.logsumexp(dim=-1)
+
+
+SampleRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                       torch.Tensor], torch.Tensor]
+_sample_rows_fn: SampleRows | None = None
+
+
+def register_sample_rows(fn: SampleRows | None) -> None:
+    """``fn(logits, temperature, top_k, top_p, min_p, keys)`` for CPU float32 logits [B, V] and
+    [B] float32 / int64 / float64 / float32 / int64 parameters returns each row's token as
+    ``race(filter_probs(softmax(logits / temperature), top_k, top_p, min_p), keys)`` would,
+    or -1 where it leaves a row to torch (NaN or infinite logits). The CPU kernels register
+    theirs: the sort behind top-k / top-p took ~8 ms per SmolLM2 row, the noise ~0.7 ms (a
+    32-request decode step 113 ms with top_p against ~50 ms of forward); None goes back to torch."""
+    global _sample_rows_fn
+    _sample_rows_fn = fn
 
 
 def _filters_needed(reqs: Sequence[Req]) -> bool:
@@ -221,11 +274,29 @@ class TorchSampler(Sampler):
 
     def _sample_rows(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
         """Temperature, filters and a seeded draw for non-greedy rows."""
-        probs = torch.softmax(logits / _row_param(reqs, "temperature", logits.device), dim=-1)
+        keys = draw_keys([r.generator if r.generator is not None else self.generator
+                          for r in reqs])
+        temperature = _row_param(reqs, "temperature", logits.device)
+        top_k = torch.tensor([r.params.top_k for r in reqs], dtype=torch.int64)
+        top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float64)
+        min_p = torch.tensor([r.params.min_p for r in reqs], dtype=torch.float32)
+        if _sample_rows_fn is not None and logits.device.type == "cpu":
+            tokens = _sample_rows_fn(logits, temperature.squeeze(1), top_k, top_p, min_p, keys)
+            left = (tokens < 0).nonzero().squeeze(1)
+            if len(left) == 0:
+                return tokens
+            rows = left.tolist()  # NaN or infinite logits: torch's answer, whatever it is
+            tokens[left] = self._torch_rows(logits[left], [reqs[i] for i in rows],
+                                            temperature[left], top_k[left], top_p[left],
+                                            min_p[left], keys[left])
+            return tokens
+        return self._torch_rows(logits, reqs, temperature, top_k, top_p, min_p, keys)
+
+    @staticmethod
+    def _torch_rows(logits: torch.Tensor, reqs: Sequence[Req], temperature: torch.Tensor,
+                    top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                    keys: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(logits / temperature, dim=-1)
         if _filters_needed(reqs):
-            top_k = torch.tensor([r.params.top_k for r in reqs], dtype=torch.int64)
-            top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float64)
-            min_p = torch.tensor([r.params.min_p for r in reqs], dtype=torch.float32)
             probs = filter_probs(probs, top_k, top_p, min_p)
-        gens = [r.generator if r.generator is not None else self.generator for r in reqs]
-        return sample_from_probs(probs, gens)
+        return race(probs, keys)
