@@ -140,3 +140,49 @@ def test_bench_engines_compile_as_auto_decides(smollm2_path: str, monkeypatch) -
     assert bench.bench_engine_kwargs(args)["compile"] == "off"
     on = build_parser().parse_args(["bench", "latency", "--model", smollm2_path, "--compile", "on"])
     assert bench.bench_engine_kwargs(on)["compile"] == "wait"
+
+
+def test_sampling_spec_is_checked_by_field_name() -> None:
+    assert bench.sampling_spec("greedy") == {}
+    assert bench.sampling_spec("temperature=0.7,top_p=0.9,top_k=50,min_p=0.05") == {
+        "temperature": 0.7, "top_p": 0.9, "top_k": 50, "min_p": 0.05}
+    for bad, field in [("top_p=1.5", "top_p"), ("temperature=-1", "temperature"),
+                       ("top_k=0", "top_k"), ("top_k=2.5", "top_k"), ("seed=3", "seed=3"),
+                       ("temperature", "temperature"), ("temperature=0", "greedy")]:
+        with pytest.raises(ValueError, match=field):
+            bench.sampling_spec(bad)
+
+
+def test_peers_sample_as_the_spec_says() -> None:
+    """HF's and llama.cpp's own sampling defaults (top_k 50 / 40, min_p 0.05, temp 0.8) are off
+    unless the spec names them; greedy stays greedy."""
+    assert bench.hf_sampling({}) == {"do_sample": False}
+    assert bench.hf_sampling({"temperature": 0.7, "top_p": 0.9}) == {
+        "do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": None}
+    assert bench.llama_cpp_sampling({}) == {"top_k": 1, "temp": 0.0}
+    assert bench.llama_cpp_sampling({"top_k": 20, "min_p": 0.1}) == {
+        "temp": 1.0, "top_p": 1.0, "top_k": 20, "min_p": 0.1}
+
+
+def test_minisgl_system_samples_with_the_spec(smollm2_path: str) -> None:
+    """Offline and single-request runs carry the spec's parameters into every request."""
+    from minisgl.core import LLM
+
+    seen: list[object] = []
+    with LLM(model=smollm2_path) as llm:
+        system = bench.MinisglSystem(llm, sampling={"temperature": 0.7, "top_p": 0.9})
+        add = llm.scheduler.add  # every request, offline or single, goes through it
+        llm.scheduler.add = lambda req: (seen.append(req.params), add(req))[1]
+        tokens, _ = system.run_offline(Workload("w", [[5, 6, 7], [8, 9]], [3, 4]))
+        timing = system.run_single([10, 11, 12], 5)
+    assert tokens == 7 and timing.n_out == 5 and len(seen) == 3
+    assert all(p.temperature == 0.7 and p.top_p == 0.9 and p.ignore_eos for p in seen)
+
+
+def test_bench_refuses_sampling_where_a_workload_runs_greedy() -> None:
+    from minisgl.server.cli import build_parser
+
+    for workload in ("online", "shared-prefix", "all"):
+        args = build_parser().parse_args(["bench", workload, "--sampling", "temperature=0.7"])
+        with pytest.raises(ValueError, match="runs greedy"):
+            bench.cmd_bench(args)

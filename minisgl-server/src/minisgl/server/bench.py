@@ -313,13 +313,15 @@ def warmup(system: System, ids: Sequence[int]) -> None:
 
 
 class MinisglSystem:
-    def __init__(self, llm: Any, name: str = "minisgl") -> None:
+    def __init__(self, llm: Any, name: str = "minisgl",
+                 sampling: dict[str, float] | None = None) -> None:
         self.llm, self.name = llm, name
+        self.sampling = sampling or {"temperature": 0.0}  # greedy unless --sampling says
 
     def run_offline(self, wl: Workload) -> tuple[int, float]:
         from minisgl.core import SamplingParams
 
-        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, **self.sampling)
                   for n in wl.output_lens]
         t0 = time.perf_counter()
         outs = self.llm.generate(wl.prompts, params)
@@ -333,7 +335,7 @@ class MinisglSystem:
         from minisgl.core import SamplingParams
         from minisgl.core.request import Req
 
-        sp = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
+        sp = SamplingParams(max_tokens=n_out, ignore_eos=True, **self.sampling)
         req = Req(list(prompt), sp, frozenset(self.llm.engine.model_config.eos_token_ids))
         sched = self.llm.scheduler
         t0 = time.perf_counter()
@@ -368,7 +370,8 @@ class HFSystem:
     name = "hf"
 
     def __init__(self, model_dir: str, dtype: torch.dtype, pad_id: int, batch_size: int,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None,
+                 sampling: dict[str, float] | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -376,6 +379,7 @@ class HFSystem:
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         self.model, self.device = model.to(device).eval(), device
         self.pad_id, self.batch_size = pad_id, batch_size
+        self.sample_kwargs = hf_sampling(sampling or {})
 
     def _left_padded(self, prompts: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         import torch
@@ -389,14 +393,15 @@ class HFSystem:
         return ids, mask
 
     def _generate(self, ids: torch.Tensor, mask: torch.Tensor, n: int, streamer: Any = None) -> int:
-        """Greedy, exactly n new tokens (min_new_tokens keeps EOS from ending it: ignore_eos)."""
+        """Exactly n new tokens (min_new_tokens keeps EOS from ending it: ignore_eos), greedy
+        or as --sampling says."""
         import torch
 
         with torch.inference_mode():
             ids, mask = ids.to(self.device), mask.to(self.device)
-            out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                      max_new_tokens=n, min_new_tokens=n, pad_token_id=self.pad_id,
-                                      streamer=streamer)
+            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                                      min_new_tokens=n, pad_token_id=self.pad_id,
+                                      streamer=streamer, **self.sample_kwargs)
         return int(out.shape[1] - ids.shape[1])
 
     def run_offline(self, wl: Workload) -> tuple[int, float]:
@@ -428,13 +433,14 @@ class LlamaCppSystem:
 
     Its Python API runs one sequence at a time, so offline workloads are served one by one (what
     a user of that API gets). Greedy, exactly n tokens (``generate`` ignores EOS), no prefix reuse
-    between requests. Install: ``pip install llama-cpp-python`` (builds llama.cpp; ~10 min on 2
-    cores).
+    between requests; its own sampler where --sampling asks for one. Install: ``pip install
+    llama-cpp-python`` (builds llama.cpp; ~10 min on 2 cores).
     """
 
     name = "llama-cpp"
 
-    def __init__(self, gguf: str, threads: int, n_ctx: int = 4096) -> None:
+    def __init__(self, gguf: str, threads: int, n_ctx: int = 4096,
+                 sampling: dict[str, float] | None = None) -> None:
         import llama_cpp.llama
         from llama_cpp import Llama
 
@@ -464,12 +470,13 @@ class LlamaCppSystem:
         # by llama_model_size; else the file's size (its metadata, ~2% more, included).
         model = getattr(self.llm, "_model", None)
         self.decode_bytes = int(model.size()) if hasattr(model, "size") else os.path.getsize(gguf)
+        self.sample_kwargs = llama_cpp_sampling(sampling or {})
 
     def _generate(self, prompt: list[int], n_out: int) -> tuple[int, float | None, float]:
         """(tokens, seconds to the first, seconds in all)."""
         t0 = time.perf_counter()
         first, count = None, 0
-        for _ in self.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        for _ in self.llm.generate(prompt, reset=True, **self.sample_kwargs):
             count += 1
             if first is None:
                 first = time.perf_counter() - t0
@@ -708,6 +715,53 @@ def machine_line(info: dict[str, Any], ceilings: dict[str, float]) -> str:
 PEERS = ("hf", "llama-cpp")
 
 
+SAMPLED_WORKLOADS = ("latency", "burst", "offline-mixed")
+
+
+def sampling_spec(value: str) -> dict[str, float]:
+    """``--sampling``: greedy, or name=value pairs of temperature, top_p, top_k and min_p
+    separated by commas (checked as SamplingParams checks them); what every system samples
+    with in the latency, burst and offline-mixed workloads."""
+    from minisgl.core import SamplingParams
+
+    if value == "greedy":
+        return {}
+    out: dict[str, float] = {}
+    for item in value.split(","):
+        name, eq, text = item.partition("=")
+        name = name.strip()
+        if name not in ("temperature", "top_p", "top_k", "min_p") or not eq:
+            raise ValueError(f"sampling: {item!r} is not temperature=, top_p=, top_k= or min_p=; "
+                             "e.g. temperature=0.7,top_p=0.9 (or greedy)")
+        try:
+            out[name] = int(text) if name == "top_k" else float(text)
+        except ValueError:
+            raise ValueError(f"sampling: {name} must be a number (got {text!r})") from None
+    SamplingParams(**out)  # type: ignore[arg-type]  # the engine's own checks, by field name
+    if out.get("temperature", 1.0) == 0.0:
+        raise ValueError("sampling: temperature=0 is greedy; use --sampling greedy")
+    return out
+
+
+def hf_sampling(sampling: dict[str, float]) -> dict[str, Any]:
+    """transformers generate's arguments for a --sampling spec (its own defaults, such as
+    top_k 50, switched off where the spec does not name them)."""
+    if not sampling:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": sampling.get("temperature", 1.0),
+            "top_p": sampling.get("top_p", 1.0), "top_k": max(0, int(sampling.get("top_k", 0))),
+            "min_p": sampling.get("min_p") or None}
+
+
+def llama_cpp_sampling(sampling: dict[str, float]) -> dict[str, Any]:
+    """llama-cpp-python generate's arguments (its defaults top_k 40, top_p 0.95, min_p 0.05
+    and temp 0.8 off unless named)."""
+    if not sampling:
+        return {"top_k": 1, "temp": 0.0}
+    return {"temp": sampling.get("temperature", 1.0), "top_p": sampling.get("top_p", 1.0),
+            "top_k": max(0, int(sampling.get("top_k", 0))), "min_p": sampling.get("min_p", 0.0)}
+
+
 def compare_list(value: str) -> list[str]:
     """``--compare``: none, or peers separated by commas (hf, llama-cpp)."""
     peers = [p for p in value.split(",") if p and p != "none"]
@@ -751,10 +805,11 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
     llm = LLM(model=args.model, **kw)
     settle_compile(args, llm)
     kw = bench_engine_kwargs(args)
-    systems: list[System] = [MinisglSystem(llm)]
+    sampling = sampling_spec(args.sampling)
+    systems: list[System] = [MinisglSystem(llm, sampling=sampling)]
     if args.vs_overlap:
         systems.append(MinisglSystem(LLM(model=args.model, **dict(kw, overlap=True)),
-                                     "minisgl-overlap"))
+                                     "minisgl-overlap", sampling))
     if args.workload in ("shared-prefix", "all"):
         systems.append(MinisglSystem(LLM(model=args.model, **dict(kw, cache="naive")),
                                      "minisgl-naive"))
@@ -766,14 +821,15 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
             raise RuntimeError("--compare llama-cpp needs llama-cpp-python: pip install "
                                "llama-cpp-python")
         log("loading llama.cpp (llama-cpp-python) on the bundled Q4_1 GGUF")
-        systems.append(LlamaCppSystem(str(_locate_gguf()), args.threads or torch.get_num_threads()))
+        systems.append(LlamaCppSystem(str(_locate_gguf()), args.threads or torch.get_num_threads(),
+                                      sampling=sampling))
     if "hf" in peers:
         log("loading HF transformers model")
         pad = getattr(llm.tokenizer, "pad_token_id", None)
         if pad is None:
             pad = llm.engine.model_config.eos_token_ids[0]
         systems.append(HFSystem(llm.engine.model_config.path, llm.engine.dtype, int(pad),
-                                args.hf_batch_size, llm.engine.device))
+                                args.hf_batch_size, llm.engine.device, sampling))
     return llm, systems
 
 
@@ -810,7 +866,13 @@ def _run_workloads(args: argparse.Namespace, workloads: Sequence[str], systems: 
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
-    compare_list(args.compare)  # a bad peer fails before anything loads
+    compare_list(args.compare)  # a bad peer or --sampling fails before anything loads
+    if sampling_spec(args.sampling):
+        workloads = WORKLOADS if args.workload == "all" else (args.workload,)
+        other = [w for w in workloads if w not in SAMPLED_WORKLOADS]
+        if other:
+            raise ValueError(f"sampling: {other[0]} runs greedy; --sampling applies to "
+                             f"{', '.join(SAMPLED_WORKLOADS)}")
     if args.workload == "quality":  # two engines one after the other (bench_quality.py)
         from minisgl.server.bench_quality import cmd_quality
 
@@ -900,6 +962,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--hf-batch-size", type=int, default=16, help="HF static batch size")
     p.add_argument("--vs-overlap", action="store_true",
                    help="also run minisgl with overlap scheduling forced on")
+    p.add_argument("--sampling", default="greedy", metavar="SPEC",
+                   help="greedy (default), or e.g. temperature=0.7,top_p=0.9 (also top_k=, "
+                        "min_p=): every system samples so in latency, burst, offline-mixed")
     p.add_argument("--data-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH",
