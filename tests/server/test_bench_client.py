@@ -28,6 +28,19 @@ def test_counts_every_streamed_token_of_a_real_server(server: Server) -> None:
     server.wait_idle()  # every page back
 
 
+def test_sampled_requests_of_a_real_server(server: Server) -> None:
+    """--sampling's parameters travel in the requests: the server takes them (a bad one would be
+    a 400) and streams every token."""
+    prompts = [[1000 + 11 * i + j for j in range(6)] for i in range(3)]
+    wl = Workload("t", prompts, [5, 5, 5])
+    traces, _ = asyncio.run(_run_clients(server.url, wl, 3, {"temperature": 0.8, "top_p": 0.9,
+                                                             "top_k": 20, "min_p": 0.01}))
+    assert [len(t.token_times) for t in traces] == [5, 5, 5]
+    with pytest.raises(RuntimeError, match="400.*top_p"):
+        asyncio.run(_run_clients(server.url, Workload("t", prompts[:1], [2]), 1, {"top_p": 1.5}))
+    server.wait_idle()
+
+
 def test_a_rejected_request_raises_with_the_servers_message(server: Server) -> None:
     too_long = Workload("t", [[1000] * 600], [4])  # the server's context is 512 tokens
     with pytest.raises(RuntimeError, match="400.*input_ids"):
@@ -79,7 +92,7 @@ def test_events_split_across_and_packed_into_chunks() -> None:
         assert seen[0] == b"POST /v0/generate HTTP/1.1"  # the URL's path prefix is kept
         body = json.loads(seen[1])
         assert body["input_ids"] == [1, 2, 3] and body["stream"] is True
-        assert body["sampling_params"]["max_tokens"] == 4
+        assert body["sampling_params"] == {"max_tokens": 4, "ignore_eos": True, "temperature": 0}
         return [len(t.token_times) for t in traces] + [len(traces[0].gaps)]
 
     assert asyncio.run(main()) == [4, 2]  # 4 tokens in 3 token-bearing events

@@ -182,7 +182,7 @@ def test_minisgl_system_samples_with_the_spec(smollm2_path: str) -> None:
 def test_bench_refuses_sampling_where_a_workload_runs_greedy() -> None:
     from minisgl.server.cli import build_parser
 
-    for workload in ("online", "shared-prefix", "all"):
+    for workload in ("shared-prefix", "all", "quality"):
         args = build_parser().parse_args(["bench", workload, "--sampling", "temperature=0.7"])
         with pytest.raises(ValueError, match="runs greedy"):
             bench.cmd_bench(args)

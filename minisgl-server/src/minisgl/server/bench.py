@@ -715,13 +715,14 @@ def machine_line(info: dict[str, Any], ceilings: dict[str, float]) -> str:
 PEERS = ("hf", "llama-cpp")
 
 
-SAMPLED_WORKLOADS = ("latency", "burst", "offline-mixed")
+SAMPLED_WORKLOADS = ("latency", "burst", "offline-mixed", "online")
 
 
 def sampling_spec(value: str) -> dict[str, float]:
     """``--sampling``: greedy, or name=value pairs of temperature, top_p, top_k and min_p
     separated by commas (checked as SamplingParams checks them); what every system samples
-    with in the latency, burst and offline-mixed workloads."""
+    with in the latency, burst, offline-mixed and online workloads (the server's requests
+    carry it too)."""
     from minisgl.core import SamplingParams
 
     if value == "greedy":
@@ -964,7 +965,8 @@ def add_parser(sub: Any) -> None:
                    help="also run minisgl with overlap scheduling forced on")
     p.add_argument("--sampling", default="greedy", metavar="SPEC",
                    help="greedy (default), or e.g. temperature=0.7,top_p=0.9 (also top_k=, "
-                        "min_p=): every system samples so in latency, burst, offline-mixed")
+                        "min_p=): every system samples so in latency, burst, offline-mixed, "
+                        "online")
     p.add_argument("--data-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH",

@@ -55,13 +55,14 @@ class _Trace:
         return (self.e2e - self.ttft) / (n - 1) if n > 1 else None
 
 
-async def _one(host: str, port: int, path: str, prompt: list[int], n_out: int) -> _Trace:
+async def _one(host: str, port: int, path: str, prompt: list[int], n_out: int,
+               sampling: dict[str, float] | None = None) -> _Trace:
     """One streamed /generate request over its own connection: plain HTTP/1.1 on asyncio
     streams. The clients share the server's machine, and on a small one every CPU-second they
     spend is taken from the engine's threads (measured: a helper's CPU time comes off the
     engine's wall time about one for one); this client spends about 40% of httpx's."""
     body = json.dumps({"input_ids": prompt, "stream": True, "sampling_params": {
-        "max_tokens": n_out, "temperature": 0, "ignore_eos": True}}).encode()
+        "max_tokens": n_out, "ignore_eos": True, **(sampling or {"temperature": 0})}}).encode()
     trace = _Trace(time.perf_counter())
     reader, writer = await asyncio.open_connection(host, port)
     try:
@@ -102,7 +103,8 @@ async def _one(host: str, port: int, path: str, prompt: list[int], n_out: int) -
     return trace
 
 
-async def _run_clients(url: str, wl: Workload, concurrency: int) -> tuple[list[_Trace], float]:
+async def _run_clients(url: str, wl: Workload, concurrency: int,
+                       sampling: dict[str, float] | None = None) -> tuple[list[_Trace], float]:
     parts = urlsplit(url)
     if parts.scheme != "http" or parts.hostname is None:
         raise ValueError(f"--url: the online benchmark speaks plain http://host:port, got {url!r}")
@@ -112,7 +114,7 @@ async def _run_clients(url: str, wl: Workload, concurrency: int) -> tuple[list[_
 
     async def guarded(p: list[int], n: int) -> _Trace:
         async with sem:
-            return await _one(host, port, path, p, n)
+            return await _one(host, port, path, p, n, sampling)
 
     t0 = time.perf_counter()
     traces = await asyncio.gather(*(guarded(p, n) for p, n in zip(wl.prompts, wl.output_lens)))
@@ -138,7 +140,7 @@ def summarize(traces: list[_Trace], wall: float) -> dict[str, float]:
     return out
 
 
-def _capped_engine(args: Any, running: int) -> Any:
+def _capped_engine(args: Any, running: int, sampling: dict[str, float] | None = None) -> Any:
     """A second offline engine in this process, at most ``running`` requests at once; None
     when the configured engine is not larger than that."""
     from minisgl.core import LLM
@@ -149,7 +151,7 @@ def _capped_engine(args: Any, running: int) -> Any:
         return None
     log(f"online: loading an offline engine with max_running_requests={running}")
     return MinisglSystem(LLM(model=args.model, **dict(kw, max_running_requests=running)),
-                         f"minisgl-offline-max{running}")
+                         f"minisgl-offline-max{running}", sampling)
 
 
 def _fresh_prompts(wl: Workload, ids: list[int], seed: int) -> Workload:
@@ -189,7 +191,8 @@ def bench_online(args: Any, system: Any, ids: list[int]) -> list[Row]:
     top = max(levels)
     repeats = args.repeats or 1
     wl_top = offline_mixed(ids, args.num_requests, args.scale, args.data_seed)
-    capped = _capped_engine(args, top)
+    sampling = system.sampling  # --sampling: the server's requests too
+    capped = _capped_engine(args, top, sampling)
     proc, url = None, args.url
     if url is None:
         log("online: starting the server")
@@ -197,7 +200,7 @@ def bench_online(args: Any, system: Any, ids: list[int]) -> list[Row]:
     rows: list[Row] = []
     try:
         warm = offline_mixed(ids, 2, args.scale * 0.25, args.data_seed + 1000)
-        asyncio.run(_run_clients(url, warm, 2))
+        asyncio.run(_run_clients(url, warm, 2, sampling))
         for c in levels:
             if c == top:
                 continue
@@ -206,7 +209,7 @@ def bench_online(args: Any, system: Any, ids: list[int]) -> list[Row]:
             n = min(len(full.prompts), max(8, 2 * c))
             wl = Workload(full.name, full.prompts[:n], full.output_lens[:n])
             # the serving overhead at this level: the same requests offline, at most c at once
-            low = _capped_engine(args, c)
+            low = _capped_engine(args, c, sampling)
             if low is not None:
                 try:
                     low_run = low.run_offline(wl)
@@ -214,7 +217,7 @@ def bench_online(args: Any, system: Any, ids: list[int]) -> list[Row]:
                     low.llm.close()
                 log(f"online: offline (max {c} running) {low_run[0] / low_run[1]:.1f} tok/s")
             log(f"online: {c} concurrent clients, {len(wl.prompts)} requests")
-            m = summarize(*asyncio.run(_run_clients(url, wl, c)))
+            m = summarize(*asyncio.run(_run_clients(url, wl, c, sampling)))
             log(f"online: c={c}: {m['output tok/s']:.1f} tok/s, TTFT p50 {m['TTFT p50 ms']:.0f} ms, "
                 f"TPOT p50 {m.get('TPOT p50 ms', 0):.1f} ms")
             rows += _server_rows(c, m)
@@ -230,7 +233,7 @@ def bench_online(args: Any, system: Any, ids: list[int]) -> list[Row]:
         system.run_offline(warm_top)
         if capped is not None:
             capped.run_offline(warm_top)
-        asyncio.run(_run_clients(url, warm_top, top))
+        asyncio.run(_run_clients(url, warm_top, top, sampling))
         runs: list[dict[str, float]] = []
         offline: list[tuple[int, float]] = []
         capped_runs: list[tuple[int, float]] = []
@@ -246,7 +249,7 @@ def bench_online(args: Any, system: Any, ids: list[int]) -> list[Row]:
                 capped_runs.append(capped.run_offline(wl))
                 log(f"online: offline (max {top} running) {capped_runs[-1][0] / capped_runs[-1][1]:.1f} tok/s")
             log(f"online: {top} concurrent clients, {len(wl.prompts)} requests{tag}")
-            runs.append(summarize(*asyncio.run(_run_clients(url, wl, top))))
+            runs.append(summarize(*asyncio.run(_run_clients(url, wl, top, sampling))))
             log(f"online: c={top}: {runs[-1]['output tok/s']:.1f} tok/s, TTFT p50 "
                 f"{runs[-1]['TTFT p50 ms']:.0f} ms, TPOT p50 {runs[-1].get('TPOT p50 ms', 0):.1f} ms")
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
