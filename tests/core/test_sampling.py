@@ -401,10 +401,17 @@ def test_race_matches_plain_python_draw() -> None:
     t, k, p, mp = (torch.tensor([params[i % 5][j] for i in range(rows)]) for j in range(4))
     probs = filter_probs(torch.softmax(logits / t.float()[:, None], -1), k.long(), p.double(),
                          mp.float())
-    got = race(probs, keys).tolist()
-    for i in range(rows):
-        want = ref_draw(logits[i].tolist(), *params[i % 5], int(keys[i]))
-        assert got[i] == want, i
+    # the rows without top-k or top-p (dense: every token hashed), the rest (sparse: a quarter
+    # of the entries or fewer, only the kept ones hashed)
+    dense = [i for i in range(rows) if params[i % 5][1:3] == (-1, 1.0)]
+    sparse = [i for i in range(rows) if i not in dense]
+    assert int((probs[dense] > 0).sum()) * 4 > probs[dense].numel()
+    assert int((probs[sparse] > 0).sum()) * 4 <= probs[sparse].numel()
+    for idx in (dense, sparse):
+        got = race(probs[idx], keys[idx]).tolist()
+        for j, i in enumerate(idx):
+            want = ref_draw(logits[i].tolist(), *params[i % 5], int(keys[i]))
+            assert got[j] == want, (i, len(idx))
 
 
 # -- penalties ----------------------------------------------------------------------------------

@@ -139,28 +139,33 @@ def draw_keys(generators: Sequence[torch.Generator]) -> torch.Tensor:
                          for g in generators], dtype=torch.int64)
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for int64 x in [0, 2^32), in halves: no int64 product overflows."""
-    return ((((x >> 16) * c) & 0xFFFF) << 16) + (x & 0xFFFF) * c & _M32
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2^32) as the int32 tensor of the same bits."""
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finaliser on int64 x in [0, 2^32) (a bijection that mixes every bit)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
+    """MurmurHash3's 32-bit finaliser on the bits of int32 x (a bijection that mixes every bit):
+    products wrap mod 2^32, and each shift is logical (masked past the sign's copies)."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * (0x85EBCA6B - 2**32)
+    x = x ^ ((x >> 13) & 0x7FFFF)
+    x = x * (0xC2B2AE35 - 2**32)
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def _uniforms(tokens: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Token ids' uniforms under their keys (int64, broadcast together), float64."""
+    h = _fmix32(_fmix32(tokens.to(torch.int32) + _int32(keys & _M32))
+                ^ _int32((keys >> 32) & _M32))
+    return (h.to(torch.int64) & _M32).double().add_(0.5).mul_(2.0**-32)
 
 
 def token_uniforms(keys: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
     """[B, vocab] float64 in (0, 1): token i's uniform under row b's key k, (h + 1/2) / 2^32 with
     h = fmix32(fmix32((i + k mod 2^32) mod 2^32) xor (k >> 32)) (cpu_sample.cpp hashes alike)."""
-    keys = keys.to(device=device, dtype=torch.int64)
-    i = torch.arange(vocab, dtype=torch.int64, device=device)
-    h = _fmix32((i.unsqueeze(0) + (keys & _M32).unsqueeze(1)) & _M32)
-    h = _fmix32(h ^ ((keys >> 32) & _M32).unsqueeze(1))
-    return (h.double() + 0.5) * 2.0**-32
+    keys = keys.to(device=device, dtype=torch.int64).unsqueeze(1)
+    return _uniforms(torch.arange(vocab, dtype=torch.int64, device=device).unsqueeze(0), keys)
 
 
 def race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -172,9 +177,22 @@ def race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     of the logits (bf16 rounding along another path, a cached prefix) changes the winner only at
     a near tie, so a seed gives the same tokens run after run (an inverse transform on the
     cumulative sum, tried, moved with every rounding before the drawn token). 32-bit uniforms:
-    q is at least 1.2e-10, so a token 1e-10 as likely as the top one can still win.
+    q is at least 1.2e-10, so a token 1e-10 as likely as the top one can still win. Where
+    filters left a quarter of the entries or fewer, only those are hashed.
     """
-    q = torch.log1p(-token_uniforms(keys, probs.shape[-1], probs.device)).neg_()
+    rows, vocab = probs.shape
+    keys = keys.to(device=probs.device, dtype=torch.int64)
+    if (int(torch.count_nonzero(probs)) * 4 <= probs.numel()
+            and bool(torch.isfinite(probs).all())):
+        nz = probs.nonzero()
+        b, i = nz[:, 0], nz[:, 1]
+        r = probs[b, i].double() / torch.log1p(-_uniforms(i, keys[b])).neg_()
+        best = torch.full((rows,), -1.0, dtype=torch.float64, device=probs.device)
+        best.scatter_reduce_(0, b, r, "amax")
+        win = r == best[b]
+        first = torch.full((rows,), vocab, dtype=torch.int64, device=probs.device)
+        return first.scatter_reduce_(0, b[win], i[win], "amin")
+    q = torch.log1p(-token_uniforms(keys, vocab, probs.device)).neg_()
     return row_argmax(probs.double() / q)
 
 
