@@ -14,9 +14,10 @@
 // sample_rows: a sampled (temperature > 0) row's token, with its top-k, top-p and min-p filters,
 // registered with minisgl.core.sampling.register_sample_rows: the same token as the torch path
 // (softmax, filter_probs' sort of the whole row, sampling.race), up to float rounding at a near
-// tie. Why: that sort took ~8 ms per SmolLM2 row (V = 49,152) on AMD Zen 4, and the noise, a
-// uniform per token from the request's generator, ~0.7 ms: a 32-request decode step spent 113 ms
-// sampling with top_p against ~50 ms in the forward. Here a row is a few passes over V:
+// tie. Why: that sort took ~8 ms per SmolLM2 row (V = 49,152) on AMD Zen 4, and a row at
+// temperature alone (softmax, a uniform per token from the request's generator, the race) ~0.75
+// ms: a 32-request decode step spent 113 ms sampling with top_p against ~40 ms in the forward.
+// Here a row is a few passes over V:
 //
 //   x = logits / T (its max m), e = exp(x - m) and their sum Z (float64)
 //   top-k / top-p: the tokens with e >= c, for c = 2^-10, then 2^-20, 2^-40 and 0 until those
