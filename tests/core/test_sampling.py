@@ -462,6 +462,34 @@ def test_apply_penalties_matches_hand_computation() -> None:
     assert got.shape == (4, vocab)
 
 
+@pytest.mark.parametrize("mixed", [False, True])
+def test_apply_penalties_on_long_histories_matches_hand_computation(mixed: bool) -> None:
+    """Every row penalised (computed in place) or some rows not (computed apart): repeated ids,
+    the first and last id of the vocabulary, an empty output, prompt and output overlapping."""
+    vocab, batch = 300, 12
+    gen = torch.Generator().manual_seed(40)
+    logits = torch.randn(batch, vocab, generator=gen) * 3
+    reqs, cases = [], []
+    for b in range(batch):
+        prompt = torch.randint(0, vocab, (int(torch.randint(1, 200, (1,), generator=gen)),),
+                               generator=gen).tolist() + [0, vocab - 1]
+        output = torch.randint(0, 40, (int(torch.randint(0, 150, (1,), generator=gen)),),
+                               generator=gen).tolist()
+        case = (1.0, 0.0, 0.0) if mixed and b % 3 == 0 else (1.0 + 0.1 * (b % 4),
+                                                              0.3 * (b % 3), 0.2 * (b % 2))
+        if not mixed and case == (1.0, 0.0, 0.0):
+            case = (1.2, 0.0, 0.0)
+        cases.append((prompt, output, *case))
+        reqs.append(make_req(None, prompt=prompt, output=output, repetition_penalty=case[0],
+                             frequency_penalty=case[1], presence_penalty=case[2]))
+    got = apply_penalties(logits, reqs)
+    for b, (prompt, output, rep, freq, pres) in enumerate(cases):
+        want = torch.tensor(hand_penalties(logits[b].tolist(), prompt, output, rep, freq, pres))
+        torch.testing.assert_close(got[b], want, rtol=1e-6, atol=1e-6)
+        if (rep, freq, pres) == (1.0, 0.0, 0.0):
+            assert torch.equal(got[b], logits[b])
+
+
 def test_token_counts() -> None:
     counts = token_counts([[0, 2, 2], [], [3, 3, 3, 1]], 4)
     assert counts.tolist() == [[1, 0, 2, 0], [0, 0, 0, 0], [0, 1, 0, 3]]

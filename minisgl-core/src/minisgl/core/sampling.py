@@ -8,6 +8,7 @@ reproducible whatever else shares its batch.
 from __future__ import annotations
 
 import abc
+import array
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -65,21 +66,40 @@ def _row_param(reqs: Sequence[Req], name: str, device: torch.device) -> torch.Te
     return torch.tensor(vals, dtype=torch.float32, device=device).unsqueeze(1)
 
 
-def _penalise(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
-    """Apply all penalties to rows that all have some (float32 [b, V], returns a new tensor)."""
-    vocab, dev = logits.shape[1], logits.device
+def _flat_ids(id_lists: Sequence[Sequence[int]], vocab_size: int,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct (row, id) pairs of the lists as indices into a flattened [B, V] view, and
+    how often each occurs."""
+    lens = torch.tensor([len(ids) for ids in id_lists], dtype=torch.int64)
+    # through array('q'): torch.tensor of a list of ints took ~60 ns per id (32 rows x 2,000 ids
+    # 3.8 ms)
+    ids = torch.frombuffer(array.array("q", itertools.chain.from_iterable(id_lists)),
+                           dtype=torch.int64) if int(lens.sum()) else torch.zeros(0, dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(id_lists)), lens)
+    flat, counts = torch.unique(rows * vocab_size + ids, return_counts=True)
+    return flat.to(device), counts.to(device)
+
+
+def _penalise_(out: torch.Tensor, reqs: Sequence[Req]) -> None:
+    """Apply all penalties, in place, to rows that all have some (float32 [b, V], contiguous).
+
+    Only the entries of tokens a row has seen change, so only those are computed (gathered,
+    penalised, written back): a 32-row batch's dense [b, V] passes took 15-20 ms a step."""
+    vocab, dev = out.shape[1], out.device
+    flat_out = out.view(-1)
     if any(r.params.repetition_penalty != 1.0 for r in reqs):
         # HF/CTRL: divide positive logits, multiply negative ones, so the token always loses mass
-        rep = _row_param(reqs, "repetition_penalty", dev)
-        seen = token_counts([r.all_ids for r in reqs], vocab, dev) > 0
-        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        flat, _ = _flat_ids([r.all_ids for r in reqs], vocab, dev)
+        rep = _row_param(reqs, "repetition_penalty", dev).squeeze(1)[flat // vocab]
+        x = flat_out[flat]
+        flat_out[flat] = torch.where(x > 0, x / rep, x * rep)
     if any(r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0 for r in reqs):
         # OpenAI: additive, over generated tokens only
-        counts = token_counts([r.output_ids for r in reqs], vocab, dev)
-        freq = _row_param(reqs, "frequency_penalty", dev)
-        pres = _row_param(reqs, "presence_penalty", dev)
-        logits = logits - freq * counts - pres * (counts > 0).float()
-    return logits
+        flat, counts = _flat_ids([r.output_ids for r in reqs], vocab, dev)
+        row = flat // vocab
+        freq = _row_param(reqs, "frequency_penalty", dev).squeeze(1)[row]
+        pres = _row_param(reqs, "presence_penalty", dev).squeeze(1)[row]
+        flat_out[flat] = flat_out[flat] - freq * counts.float() - pres
 
 
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
@@ -88,11 +108,15 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
     repetition_penalty over prompt_ids + output_ids, frequency/presence_penalty over output_ids.
     Only the rows of requests that have penalties are computed.
     """
-    out = logits.to(torch.float32, copy=True)
+    out = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
-    if rows:
+    if len(rows) == len(reqs):
+        _penalise_(out, reqs)
+    elif rows:
         idx = torch.tensor(rows, dtype=torch.int64, device=out.device)
-        out[idx] = _penalise(out[idx], [reqs[i] for i in rows])
+        part = out[idx]  # a copy
+        _penalise_(part, [reqs[i] for i in rows])
+        out[idx] = part
     return out
 
 
