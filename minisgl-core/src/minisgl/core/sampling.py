@@ -48,15 +48,11 @@ class Sampler(abc.ABC):
 
 def token_counts(id_lists: Sequence[Sequence[int]], vocab_size: int,
                  device: torch.device | None = None) -> torch.Tensor:
-    """[B, V] float32 occurrence counts of each id list, built with one scatter_add."""
+    """[B, V] float32 occurrence counts of each id list (the penalties use ``_flat_ids``, the
+    seen entries alone)."""
     counts = torch.zeros(len(id_lists), vocab_size, dtype=torch.float32, device=device)
-    lens = torch.tensor([len(ids) for ids in id_lists], dtype=torch.int64)
-    if int(lens.sum()) == 0:
-        return counts
-    ids = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.arange(len(id_lists)), lens)
-    flat = (rows * vocab_size + ids).to(device)  # index into the flattened [B*V] view
-    counts.view(-1).scatter_add_(0, flat, torch.ones(flat.numel(), device=device))
+    flat, n = _flat_ids(id_lists, vocab_size, counts.device)
+    counts.view(-1)[flat] = n.float()
     return counts
 
 
