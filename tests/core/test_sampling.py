@@ -262,6 +262,52 @@ def test_filter_probs_combined_matches_reference() -> None:
         assert kept_set(out[b]) == ref
 
 
+def _wide_rows(vocab: int) -> tuple[torch.Tensor, list[tuple[int, float, float]]]:
+    """Rows of a real vocabulary and (top_k, top_p, min_p) per row: random spreads (bf16 ties in
+    some), a top token over a tail holding a third of the mass, steps of tokens whose ratios to
+    the top are powers of two (band edges), zeros with top_p near 1, mixed filters."""
+    g = torch.Generator().manual_seed(41)
+    rows, params = [], []
+    for i, (scale, p) in enumerate([(0.5, 0.9), (1.5, 0.95), (3.0, 0.9), (6.0, 0.5),
+                                    (1.0, 0.999), (2.0, 0.7)]):
+        x = torch.randn(vocab, generator=g) * scale
+        rows.append(x.bfloat16().float() if i % 2 else x)
+        params.append((-1, p, 0.0))
+    tail = torch.full((vocab,), -7.5)
+    tail[vocab // 3] = 0.0
+    rows += [tail, tail]
+    params += [(-1, 0.9, 0.0), (-1, 0.4, 0.0)]
+    steps = torch.zeros(vocab)  # weight 2^-j for the tokens of step j
+    for j, n in ((3, 40), (10, 700), (11, 900), (17, 9000)):
+        steps[torch.randperm(vocab, generator=g)[:n]] = -j * math.log(2.0)
+    steps[5] = 2.0
+    for p in (0.2, 0.6, 0.9, 0.97):
+        rows.append(steps)
+        params.append((-1, p, 0.0))
+    zeros = torch.randn(vocab, generator=g) * 2
+    zeros[::3] = -math.inf
+    rows.append(zeros)
+    params.append((-1, 0.99999, 0.0))
+    for k, p, mp in ((20, 0.95, 0.0), (5000, 0.9, 0.0), (-1, 0.9, 0.02), (-1, 1.0, 0.1),
+                     (40, 1.0, 0.0), (-1, 1.0, 0.0)):
+        rows.append((torch.randn(vocab, generator=g) * 2).bfloat16().float())
+        params.append((k, p, mp))
+    return torch.stack(rows), params
+
+
+def test_filter_probs_real_vocabulary_matches_reference() -> None:
+    """Rows of 49,152 tokens (a few hundred candidates sorted, not the row): the kept set of
+    each as the plain-Python sort and sums find it."""
+    logits, params = _wide_rows(49152)
+    probs = torch.softmax(logits, dim=-1)
+    k, p, mp = (torch.tensor(c) for c in zip(*params))
+    out = filter_probs(probs, k, p.double(), mp.float())
+    for b, (kb, pb, mpb) in enumerate(params):
+        ref = ref_keep(probs[b].double().tolist(), kb, pb, float(torch.tensor(mpb)))
+        assert kept_set(out[b]) == ref, (b, len(ref))
+    torch.testing.assert_close(out.sum(-1), torch.ones(len(params)))
+
+
 # -- greedy / temperature -----------------------------------------------------------------------
 
 
@@ -412,6 +458,25 @@ def test_race_matches_plain_python_draw() -> None:
         for j, i in enumerate(idx):
             want = ref_draw(logits[i].tolist(), *params[i % 5], int(keys[i]))
             assert got[j] == want, (i, len(idx))
+
+
+def test_race_wide_batch_matches_plain_python() -> None:
+    """A batch of 49,152-token rows at temperature alone (the logs taken only for the tokens
+    that can beat the top one's draw) draws the plain-Python race's tokens."""
+    logits, _ = _wide_rows(49152)
+    rows = logits.shape[0]
+    assert rows * 49152 >= 2**19  # the prefiltered path
+    keys = torch.randint(0, 2**62, (rows,), generator=torch.Generator().manual_seed(43))
+    probs = torch.softmax(logits / 0.8, dim=-1)
+    got = race(probs, keys).tolist()
+    for b in range(rows):
+        best, at = -1.0, -1
+        for i, pi in enumerate(probs[b].double().tolist()):
+            if pi > 0.0:
+                r = pi / -math.log1p(-ref_uniform(int(keys[b]), i))
+                if r > best:
+                    best, at = r, i
+        assert got[b] == at, b
 
 
 # -- penalties ----------------------------------------------------------------------------------
