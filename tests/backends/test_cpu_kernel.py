@@ -1081,6 +1081,22 @@ def test_sample_rows_frequencies() -> None:
         assert abs(freq - want) <= 4 * math.sqrt(want * (1 - want) / n) + 2e-3, (tok, freq, want)
 
 
+def test_sample_rows_top_p_exact_boundary() -> None:
+    """Flat rows (every e exactly 1): top_p j/8 of 8 tokens keeps exactly the first j (the
+    mass before token j reaches top_p; not the (j+1)-th), with top-k too; 300 keys each, so
+    every kept token is drawn and a dropped one would be."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    n = 300
+    keys = torch.randint(0, 2**62, (n,), generator=torch.Generator().manual_seed(13))
+    for top_k, top_p in ((-1, 0.25), (-1, 0.5), (-1, 0.75), (6, 0.5), (4, 0.75)):
+        got = torch.ops.minisgl_cpu.sample_rows(
+            torch.zeros(n, 8), torch.ones(n), torch.full((n,), top_k),
+            torch.full((n,), top_p, dtype=torch.float64), torch.zeros(n), keys).tolist()
+        want = ref_keep([1 / 8] * 8, top_k, top_p, 0.0)
+        assert want == set(range(len(want)))
+        assert set(got) == want, (top_k, top_p, Counter(got))
+
+
 def test_sample_rows_bad_inputs_are_refused() -> None:
     assert cpu_kernels.load(), cpu_kernels.load_error
     ops = torch.ops.minisgl_cpu
