@@ -197,9 +197,10 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     first. The most likely token is always kept.
     """
     out = probs / probs.sum(dim=-1, keepdim=True)
-    rows = _active(top_k, top_p, min_p).nonzero().squeeze(1).to(probs.device)
-    if len(rows):
-        ids, kept = _kept(probs[rows], top_k[rows.cpu()], top_p[rows.cpu()], min_p[rows.cpu()])
+    at = _active(top_k, top_p, min_p).nonzero().squeeze(1)
+    if len(at):
+        rows = at.to(probs.device)
+        ids, kept = _kept(probs[rows], top_k[at], top_p[at], min_p[at])
         out[rows] = torch.zeros_like(out[rows]).scatter_add_(1, ids, kept)  # padding adds 0
     return out
 
@@ -278,13 +279,11 @@ def race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """
     rows, vocab = probs.shape
     keys = keys.to(device=probs.device, dtype=torch.int64)
-    if not bool(probs.sum().isfinite()):  # NaN / inf: torch's answer, whatever it is
-        q = _exp1(token_uniforms(keys, vocab, probs.device))
-        return row_argmax(torch.div(probs, q, out=q))
-    if int(torch.count_nonzero(probs)) * 4 <= probs.numel():
+    finite = bool(probs.sum().isfinite())  # NaN / inf: the dense path, whatever it answers
+    if finite and int(torch.count_nonzero(probs)) * 4 <= probs.numel():
         nz = probs.nonzero()
         return _race_entries(nz[:, 0], nz[:, 1], probs[nz[:, 0], nz[:, 1]], keys, rows, vocab)
-    if probs.numel() < _PREFILTER_MIN:
+    if not finite or probs.numel() < _PREFILTER_MIN:
         q = _exp1(token_uniforms(keys, vocab, probs.device))
         return row_argmax(torch.div(probs, q, out=q))
     # q_i >= u_i, so token i beats the most likely token's r = p / q only if p_i >= u_i x r:
@@ -368,10 +367,6 @@ def register_sample_rows(fn: SampleRows | None) -> None:
     _sample_rows_fn = fn
 
 
-def _filters_needed(reqs: Sequence[Req]) -> bool:
-    return any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in reqs)
-
-
 class TorchSampler(Sampler):
     """The default sampler: pure torch, vectorised over the batch except the per-row noise."""
 
@@ -432,12 +427,13 @@ class TorchSampler(Sampler):
                     top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                     keys: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(logits / temperature, dim=-1)
-        if bool(_active(top_k, top_p, min_p).all()) and bool(probs.sum().isfinite()):
+        active = _active(top_k, top_p, min_p)
+        if bool(active.all()) and bool(probs.sum().isfinite()):
             ids, kept = _kept(probs, top_k, top_p, min_p)  # every row filtered: race the kept
             b = torch.arange(len(reqs), device=probs.device).unsqueeze(1).expand_as(ids)
             at = kept > 0
             return _race_entries(b[at], ids[at], kept[at], keys.to(probs.device), len(reqs),
                                  probs.shape[1])
-        if _filters_needed(reqs):
+        if bool(active.any()):
             probs = filter_probs(probs, top_k, top_p, min_p)
         return race(probs, keys)
