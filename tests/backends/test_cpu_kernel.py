@@ -1081,6 +1081,36 @@ def test_sample_rows_frequencies() -> None:
         assert abs(freq - want) <= 4 * math.sqrt(want * (1 - want) / n) + 2e-3, (tok, freq, want)
 
 
+def test_sample_rows_top_k_below_the_first_candidates() -> None:
+    """Top-k sets reaching far below 2^-10 of the top token on 49,152-token rows (k under and
+    over the kernel's switch to the bands' count at 128; slopes putting the k-th token 2^-12 to
+    2^-60 down; bf16 ties; with top_p too) against the plain-Python draw."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    vocab = 49152
+    g = torch.Generator().manual_seed(21)
+    rows, params = [], []
+    for k, depth, top_p in ((40, 12, 1.0), (127, 20, 1.0), (128, 20, 1.0), (300, 14, 0.97),
+                            (1000, 30, 1.0), (1000, 60, 0.999), (5000, 16, 1.0),
+                            (200, 25, 1.0)):
+        # token ranks spread so that rank k sits `depth` powers of two below the top
+        ranks = torch.randperm(vocab, generator=g).float()
+        row = -ranks * (depth * math.log(2) / k)
+        if k in (300, 200):
+            row = row.bfloat16().float()  # ties (200: many at the k-th value itself)
+        rows.append(row)
+        params.append((k, top_p))
+    logits = torch.stack(rows)
+    n = len(rows)
+    keys = torch.randint(0, 2**62, (n,), generator=g)
+    top_k = torch.tensor([k for k, _ in params])
+    top_p = torch.tensor([p for _, p in params], dtype=torch.float64)
+    got = torch.ops.minisgl_cpu.sample_rows(logits, torch.ones(n), top_k, top_p, torch.zeros(n),
+                                            keys).tolist()
+    want = [ref_draw(logits[i].tolist(), 1.0, params[i][0], params[i][1], 0.0, int(keys[i]))
+            for i in range(n)]
+    assert got == want
+
+
 def test_sample_rows_top_p_exact_boundary() -> None:
     """Flat rows (every e exactly 1): top_p j/8 of 8 tokens keeps exactly the first j (the
     mass before token j reaches top_p; not the (j+1)-th), with top-k too; 300 keys each, so
