@@ -23,12 +23,14 @@
 //   top-k / top-p: the tokens with e >= c, first c = 2^-10, until those hold the whole answer
 //     (the top k of them; or the prefix whose mass above the last kept token stays under top_p,
 //     ending before the candidates do): else the floor of the power-of-two band where the
-//     row's count reaches k (top-k) or its mass top_p (top-p); the top k selected
-//     (nth_element), the top-p prefix selected on its mass (top_p_prefix), neither sorted
+//     row's count reaches k (top-k from k = 128; a smaller k 2^-20, 2^-40, 0) or its mass
+//     top_p (top-p); the top k selected (nth_element), the top-p prefix selected on its mass
+//     (top_p_prefix), neither sorted
 //   min-p: e >= min_p (e is relative to the top token's)
 //   the race: argmax e_i / q_i over the kept tokens, q_i = -log(1 - u_i) with u_i sampling.py's
-//     hash of (row key, i); where every token may win (no top-k, no top-p) a vector pass skips
-//     token i unless e_i >= u_i * best (q_i >= u_i), so the log is taken for a few tokens only
+//     hash of (row key, i); token i is skipped unless e_i >= u_i * best (q_i >= u_i), the top
+//     token first, so the log is taken for a few tokens only (where every token may win, no
+//     top-k nor top-p, in a vector pass over the row)
 //
 // A row with NaN or infinite x is left to the torch path (-1).
 
