@@ -261,6 +261,7 @@ struct Bands {
   double mass[4][65];
   int64_t count[65];
   void fill(const float* e, int64_t V) {
+    if (filled) return;
     std::memset(mass, 0, sizeof mass);
     std::memset(count, 0, sizeof count);
     for (int64_t k = 0; k < V; ++k) {
@@ -429,10 +430,13 @@ int64_t sample_row(const float* logit, int64_t V, float T, int64_t top_k, double
       }
       if (past) {  // more past the candidates
         // at temperature 1 / top_p 0.95 half of SmolLM2's rows: ~12,000 tokens at 2^-20,
-        // ~700 at the band floor (float sums may disagree at its edge: then wider)
-        if (!banded && !bands.filled) bands.fill(e, V);
-        const float f = banded ? 0.f : bands.mass_floor(top_p * Z * (1.0 + 0x1p-30));
-        banded = true;
+        // ~700 at the band floor; once (float sums may disagree at its edge: then wider)
+        float f = 0.f;
+        if (!banded) {
+          bands.fill(e, V);
+          f = bands.mass_floor(top_p * Z * (1.0 + 0x1p-30));
+          banded = true;
+        }
         c = f > 0.f && f < c ? f : wider(c);
         continue;
       }
