@@ -1414,13 +1414,15 @@ def test_decoder_layers_refuses_a_run_no_longer_bound() -> None:
         torch.ops.minisgl_cpu.decoder_layers(x, None, handle, cs, cs, *index)
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
 def test_decoder_layers_few_rows_refuse_and_recover(threads: int) -> None:
-    """A few-row step's layers run as one team of threads (cpu_layer.cpp): with 1, 2 and 3
-    threads (each taking its share of the linears and the attention) the result is the
-    per-layer op's to the bit; a refusal inside the team (the second layer's pools of two
-    sizes) reaches the caller as the error it is, with no thread left waiting, and the next
-    step runs."""
+    """A few-row step's layers run as one team of threads (cpu_layer.cpp): with 1 to 4
+    threads (each taking grains of the linears and the attention, and the grains left in
+    the others' shares when its own are done) the result is the per-layer op's to the bit,
+    also with a busy process beside it (more runnable threads than cores: threads wait
+    asleep and others take their grains), step after step; a refusal inside the team (the
+    second layer's pools of two sizes) reaches the caller as the error it is, with no thread
+    left waiting, and the next step runs."""
     assert cpu_kernels.load(), cpu_kernels.load_error
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -1451,6 +1453,17 @@ def test_decoder_layers_few_rows_refuse_and_recover(threads: int) -> None:
                                                2, 1)
         assert torch.equal(y, wy) and torch.equal(r, wr) and torch.equal(got, want)
         assert not torch.equal(got, pools) and y.abs().sum() > 0
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            for _ in range(20):
+                again = pools.clone()
+                run = cpu_kernels.LayerRun(norms, ws, [], [], [], [], list(again[:, 0]),
+                                           list(again[:, 1]), [0, 0], 0.2, 1e-5, 2, 1)
+                y, r = cpu_kernels.decoder_layers(run, x, None, cs, cs, *index)
+                assert torch.equal(y, wy) and torch.equal(r, wr) and torch.equal(again, want)
+        finally:
+            busy.kill()
+            busy.wait()
     finally:
         torch.set_num_threads(old)
 

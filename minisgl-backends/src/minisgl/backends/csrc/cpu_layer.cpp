@@ -28,7 +28,10 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <c10/util/BFloat16.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #include <torch/library.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cmath>
@@ -325,40 +328,128 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
 }
 
 // A team: a few-row step's layers (a decode step of up to 15 requests) run inside one OpenMP
-// region, the calling thread working through them while the others wait, spinning, for the
-// parallel_chunks calls of its linears and attention. Why: ~150 parallel regions per batch-1
+// region, the calling thread working through them while the others wait (Word) for the
+// parallel_chunks calls of its linears and attention, whose grains they share (work). Why: ~150 parallel regions per batch-1
 // step, each ~1.3 us from the call to the threads' start (ATen's parallel_for, libgomp waking
 // the team with a futex call) and ~0.75 us of end barrier (another) by rdtsc around the GEMVs
 // (docs/benchmarks.md); a spin flag each way costs a cache line's transfer. Measured, the 30
 // layers of a batch-1 SmolLM2 step replayed, the two builds alternating call by call: 1.01x at
 // this host's slow reads, 1.03x at its fast ones; 4 requests 1.006x.
-struct alignas(64) Flag {
-  std::atomic<uint64_t> gen{0};
+// A 32-bit word that threads wait on: spinning a few microseconds, then asleep in the kernel
+// (futex) until a writer wakes them. Why not spin on: with more runnable threads than cores (a
+// laptop's browser, the server's own processes, a slower core of a hybrid CPU) a spinning thread
+// takes the time slices of the thread it waits for; see work() below for the measurements.
+struct alignas(64) Word {
+  std::atomic<uint32_t> v{0};
+  std::atomic<uint32_t> sleepers{0};
+  // Waits until v != seen, or ready() (checked in between; true ends the wait), whichever first.
+  template <class Ready>
+  uint32_t wait_while(uint32_t seen, const Ready& ready) {
+    for (int64_t spins = 0;; ++spins) {
+      const uint32_t now = v.load(std::memory_order_acquire);
+      if (now != seen || ready()) return now;
+      if (spins < kSpins) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+        continue;
+      }
+      sleepers.fetch_add(1, std::memory_order_seq_cst);
+      if (v.load(std::memory_order_seq_cst) == seen && !ready()) {
+        const timespec limit{0, 2000000};  // 2 ms: a missed wake costs time, never a hang
+        syscall(SYS_futex, reinterpret_cast<uint32_t*>(&v), FUTEX_WAIT_PRIVATE, seen, &limit,
+                nullptr, 0);
+      }
+      sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+  void set(uint32_t value) {
+    v.store(value, std::memory_order_seq_cst);
+    wake();
+  }
+  void bump() {
+    v.fetch_add(1, std::memory_order_seq_cst);
+    wake();
+  }
+  void wake() {
+    if (sleepers.load(std::memory_order_seq_cst) > 0)
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&v), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr,
+              nullptr, 0);
+  }
+  static constexpr int64_t kSpins = 256;  // ~7 us of pause on AMD Zen 4 (~27 ns each)
+};
+
+// A thread's share of a job's grains and how many grains it has finished (all jobs so far),
+// each on its own line: the owner claims its grains front to back with an uncontended CAS; a
+// thread whose share is done takes grains from the back of another's (below).
+struct alignas(64) Share {
+  std::atomic<uint64_t> w{0};  // job tag (32 bits) | end (16) | next (16), in grains
+  std::atomic<uint64_t> done{0};
 };
 constexpr int64_t kMaxTeam = 64;
-// One wait on a flag: a pause, and from ~50 us on a yield too (more threads than cores: the
-// thread that would set the flag may need this one's core).
-inline void spin_pause(int64_t& spins) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-  if (++spins > (1 << 14)) std::this_thread::yield();
-}
+constexpr int64_t kGrains = 4;  // grains per thread and job (fewer where the job has fewer)
 struct Team {
   int64_t n = 0;                 // threads
-  Flag posted;                   // generation of the job below (or of the exit)
-  Flag done[kMaxTeam];           // the generation each thread has finished
+  Word posted;                   // generation of the job below (or of the exit)
+  Word finished;                 // bumped after a grain while the caller waits for the last ones
+  std::atomic<bool> waiting{false};
+  Share share[kMaxTeam];
   const minisgl::ChunkFn* job = nullptr;
-  int64_t count = 0;
+  int64_t count = 0, align = 1, grains = 0;  // the job's items (in grains of `align` items)
   bool exit = false;
   std::exception_ptr error[kMaxTeam];
 };
 thread_local Team* my_team = nullptr;  // the calling thread's, while it runs a team's body
 
-// thread t's chunk of 0 .. count, as at::parallel_for(0, count, 1, ...) makes them on n threads
-std::pair<int64_t, int64_t> chunk_of(int64_t count, int64_t n, int64_t t) {
-  const int64_t used = std::min(n, count), size = (count + used - 1) / used;
-  return {std::min(count, t * size), std::min(count, (t + 1) * size)};
+// Grain g of a job (of `grains`) from share s, the owner's next one or another's last one,
+// while the share holds the job's tag (a stale thread's claim on a newer job's share fails).
+inline bool claim(Share& s, uint32_t tag, bool own, int64_t& g) {
+  uint64_t w = s.w.load(std::memory_order_acquire);
+  for (;;) {
+    const int64_t next = w & 0xFFFF, end = (w >> 16) & 0xFFFF;
+    if ((w >> 32) != tag || next >= end) return false;
+    const uint64_t v = own ? w + 1 : w - (uint64_t(1) << 16);
+    if (s.w.compare_exchange_weak(w, v, std::memory_order_acq_rel, std::memory_order_acquire)) {
+      g = own ? next : end - 1;
+      return true;
+    }
+  }
+}
+
+// Thread t's part of job `tag`: its own grains, then any left in the others' shares. Why grains
+// and not one contiguous chunk per thread: a thread the OS has descheduled (more runnable threads
+// than cores: a laptop's browser, the server's own processes; or a slower core of a hybrid CPU)
+// held up every job of a step at its end; now the others finish its share. Measured on AMD Zen 4
+// (2 cores, SmolLM2, the two schemes alternating in one process; docs/benchmarks.md): with one
+// busy process beside the engine, batch-1 decode 24.4 -> 21.1 ms/token (median pair 1.18x) and
+// 8 requests 210 -> 276 tok/s (1.27x), where one chunk per thread and spinning waits had made
+// batch 1 ~3x slower than on an idle machine; idle, 0.995x and 0.976x. (The rest of the loss is
+// libgomp's own spinning between steps and time slices: one thread alone read ~10 ms there.)
+thread_local int64_t run_to = 0;  // minisgl::run_end's answer while a grain runs (0: none)
+void work(Team& team, int64_t t, uint32_t tag) {
+  int64_t g;
+  for (int64_t u = t; u < t + team.n;) {
+    if (!claim(team.share[u % team.n], tag, u == t, g)) {
+      ++u;
+      continue;
+    }
+    // (the job's fields are read after a claim: they stay until the job's grains are all done)
+    const int64_t units = (team.count + team.align - 1) / team.align;
+    auto item = [&](int64_t grain) {
+      return std::min(team.count, grain * units / team.grains * team.align);
+    };
+    const int64_t lo = item(g), hi = item(g + 1);
+    // its own grains go on after this one, up to its share's end; another's do not
+    run_to = u == t ? item((t + 1) * team.grains / team.n) : hi;
+    try {
+      if (lo < hi) (*team.job)(lo, hi);
+    } catch (...) {
+      if (!team.error[t]) team.error[t] = std::current_exception();
+    }
+    run_to = 0;
+    team.share[t].done.fetch_add(1, std::memory_order_seq_cst);
+    if (team.waiting.load(std::memory_order_seq_cst)) team.finished.bump();
+  }
 }
 
 // body() on this thread with the other threads of at::get_num_threads() as its team (or alone,
@@ -382,26 +473,17 @@ void team_run(const Body& body) {
         ~Release() {
           my_team = nullptr;
           team.exit = true;
-          team.posted.gen.fetch_add(1, std::memory_order_release);
+          team.posted.bump();
         }
       } release{team};
       if (end == 1) my_team = &team;
       body();
       return;
     }
-    for (uint64_t seen = 0;;) {
-      uint64_t g;
-      for (int64_t spins = 0; (g = team.posted.gen.load(std::memory_order_acquire)) == seen;)
-        spin_pause(spins);
-      seen = g;
+    for (uint32_t seen = 0;;) {
+      seen = team.posted.wait_while(seen, [] { return false; });
       if (team.exit) return;
-      const auto [lo, hi] = chunk_of(team.count, team.n, t);
-      try {
-        if (lo < hi) (*team.job)(lo, hi);
-      } catch (...) {
-        team.error[t] = std::current_exception();
-      }
-      team.done[t].gen.store(seen, std::memory_order_release);
+      work(team, t, seen);
     }
   });
 }
@@ -509,22 +591,42 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
 
 }  // namespace
 
-void minisgl::parallel_chunks(int64_t count, ChunkFn fn) {
+int64_t minisgl::run_end(int64_t hi) { return std::max(hi, run_to); }
+
+void minisgl::parallel_chunks(int64_t count, ChunkFn fn, int64_t align) {
   Team* team = my_team;
   if (team == nullptr) {
     at::parallel_for(0, count, 1, [&](int64_t lo, int64_t hi) { fn(lo, hi); });
     return;
   }
   if (count <= 0) return;
+  const int64_t n = team->n, units = (count + align - 1) / align;
+  const int64_t grains = std::min(units, n * kGrains);
+  uint64_t base = 0;  // grains finished before this job (every earlier job's are)
+  for (int64_t t = 0; t < n; ++t) base += team->share[t].done.load(std::memory_order_relaxed);
   team->job = &fn;
   team->count = count;
-  const uint64_t gen = team->posted.gen.load(std::memory_order_relaxed) + 1;
-  team->posted.gen.store(gen, std::memory_order_release);
-  const auto [lo, hi] = chunk_of(count, team->n, 0);
-  if (lo < hi) fn(lo, hi);
-  for (int64_t t = 1, spins = 0; t < team->n; ++t)
-    while (team->done[t].gen.load(std::memory_order_acquire) != gen) spin_pause(spins);
-  for (int64_t t = 1; t < team->n; ++t)
+  team->align = align;
+  team->grains = grains;
+  const uint32_t gen = team->posted.v.load(std::memory_order_relaxed) + 1;
+  for (int64_t t = 0; t < n; ++t)  // thread t's grains: t * grains / n .. (t + 1) * grains / n
+    team->share[t].w.store(uint64_t(gen) << 32 | uint64_t((t + 1) * grains / n) << 16 |
+                               uint64_t(t * grains / n),
+                           std::memory_order_relaxed);
+  team->posted.set(gen);
+  work(*team, 0, gen);
+  auto all_done = [&] {  // the grains others claimed and still run
+    uint64_t done = 0;
+    for (int64_t t = 0; t < n; ++t) done += team->share[t].done.load(std::memory_order_seq_cst);
+    return done == base + static_cast<uint64_t>(grains);
+  };
+  if (!all_done()) {
+    team->waiting.store(true, std::memory_order_seq_cst);
+    for (uint32_t seen = team->finished.v.load(std::memory_order_seq_cst); !all_done();)
+      seen = team->finished.wait_while(seen, all_done);
+    team->waiting.store(false, std::memory_order_seq_cst);
+  }
+  for (int64_t t = 0; t < n; ++t)
     if (team->error[t]) std::rethrow_exception(std::exchange(team->error[t], nullptr));
 }
 

@@ -82,10 +82,15 @@ class ChunkFn {
   void (*call_)(const void*, int64_t, int64_t);
 };
 
-// fn(lo, hi) over 0 .. count in contiguous chunks, one per thread, as at::parallel_for(0, count,
-// 1, fn) splits it: inside cpu_layer.cpp's team (a few-row step's layers) handed to the team's
-// waiting threads through a spin flag each; elsewhere one OpenMP region (cpu_layer.cpp).
-void parallel_chunks(int64_t count, ChunkFn fn);
+// fn(lo, hi) over 0 .. count: elsewhere in contiguous chunks, one per thread, as
+// at::parallel_for(0, count, 1, fn) splits them (one OpenMP region); inside cpu_layer.cpp's team
+// (a few-row step's layers) in grains of whole multiples of `align` items (but the last), a few
+// per thread, which a thread done with its own takes from the others' (cpu_layer.cpp, work).
+void parallel_chunks(int64_t count, ChunkFn fn, int64_t align = 1);
+
+// Inside parallel_chunks' fn(lo, hi): where the items this thread runs next, after hi, end (hi
+// itself where it goes on elsewhere or outside a team), for prefetching across the grains' ends.
+int64_t run_end(int64_t hi);
 
 // The paged_attention op (cpu_attention.cpp) on rows: q [T, H, D] bf16 back to back, the output
 // likewise into `out` (the pools and index tensors checked there).
