@@ -41,7 +41,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <thread>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -329,12 +328,13 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
 
 // A team: a few-row step's layers (a decode step of up to 15 requests) run inside one OpenMP
 // region, the calling thread working through them while the others wait (Word) for the
-// parallel_chunks calls of its linears and attention, whose grains they share (work). Why: ~150 parallel regions per batch-1
-// step, each ~1.3 us from the call to the threads' start (ATen's parallel_for, libgomp waking
-// the team with a futex call) and ~0.75 us of end barrier (another) by rdtsc around the GEMVs
-// (docs/benchmarks.md); a spin flag each way costs a cache line's transfer. Measured, the 30
-// layers of a batch-1 SmolLM2 step replayed, the two builds alternating call by call: 1.01x at
-// this host's slow reads, 1.03x at its fast ones; 4 requests 1.006x.
+// parallel_chunks calls of its linears and attention, whose grains they share (work). Why: ~150
+// parallel regions per batch-1 step, each ~1.3 us from the call to the threads' start (ATen's
+// parallel_for, libgomp waking the team with a futex call) and ~0.75 us of end barrier (another)
+// by rdtsc around the GEMVs (docs/benchmarks.md); a flag each way costs a cache line's transfer.
+// Measured, the 30 layers of a batch-1 SmolLM2 step replayed, the two builds alternating call by
+// call: 1.01x at this host's slow reads, 1.03x at its fast ones; 4 requests 1.006x.
+
 // A 32-bit word that threads wait on: spinning a few microseconds, then asleep in the kernel
 // (futex) until a writer wakes them. Why not spin on: with more runnable threads than cores (a
 // laptop's browser, the server's own processes, a slower core of a hybrid CPU) a spinning thread
