@@ -79,6 +79,10 @@ def test_engine_flags_round_trip_threads() -> None:
     again = p.parse_args(engine_flags(args))
     assert engine_kwargs(again) == engine_kwargs(args)
     assert engine_kwargs(p.parse_args([]))["threads"] is None
+    fixed = p.parse_args(["--no-adapt-threads"])
+    assert engine_kwargs(fixed)["adapt_threads"] is False
+    assert engine_kwargs(p.parse_args(engine_flags(fixed)))["adapt_threads"] is False
+    assert engine_kwargs(p.parse_args([]))["adapt_threads"] is True
 
 
 def test_bench_runs_on_a_checkpoint_without_a_tokenizer(tmp_path: os.PathLike[str]) -> None:
@@ -107,3 +111,28 @@ def test_bench_runs_on_a_checkpoint_without_a_tokenizer(tmp_path: os.PathLike[st
         rows = json.load(f)["results"]
     assert [(r["workload"], r["system"]) for r in rows] == [("burst", "minisgl")]
     assert rows[0]["value"] > 0
+
+    # beside a busy process, against the engine that keeps its threads; the process is gone after
+    res = minisgl("bench", "burst", "--model", model_dir, "--compile", "off", "--scale", "0.1",
+                  "--repeats", "1", "--busy", "1", "--vs-fixed-threads", "--json", out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(out) as f:
+        report = json.load(f)
+    assert report["machine"]["busy_processes"] == 1
+    assert [r["system"] for r in report["results"]] == ["minisgl", "minisgl-fixed"]
+    assert "beside 1 busy processes" in res.stdout and "minisgl vs minisgl-fixed" in res.stdout
+    assert not _busy_loops()
+
+
+def _busy_loops() -> list[str]:
+    """This user's processes running ``--busy``'s loop."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if cmd.rstrip().endswith("-c while True: pass"):
+            found.append(pid)
+    return found

@@ -216,6 +216,9 @@ class EngineConfig:
     # torch CPU threads of each rank. None: torch's default (the machine's physical cores, or
     # OMP_NUM_THREADS) split among the ranks on this machine.
     threads: int | None = None
+    # While other processes keep cores busy, time CPU steps with fewer threads too and run the
+    # faster count (threads.py). Single-rank CPU engines only; False: always ``threads``.
+    adapt_threads: bool = True
     dist_timeout: float = 300.0  # seconds a TP collective may wait before it is an error
     quantization: str | None = None  # "int8": weight-only int8 linear layers and LM head
     # torch.compile of the decode step (compile.py): auto | on (background) | wait | off

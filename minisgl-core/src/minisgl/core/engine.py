@@ -25,6 +25,7 @@ from minisgl.core.model import CausalLM
 from minisgl.core.plugins import PluginManager, get_plugin_manager
 from minisgl.core.request import Batch, Req
 from minisgl.core.sampling import SampleOutput, Sampler
+from minisgl.core.threads import ThreadTuner
 from minisgl.core.weights import iter_weights
 
 log = logging.getLogger("minisgl.engine")
@@ -161,6 +162,10 @@ class Engine:
             self.graphs = StepGraphs(self._forward, dims, dummy, config.max_running_requests,
                                      self._worker_config(), self.prefill_graph_rows, self.comm)
             self.graphs.start(wait=self.compile_mode == "wait")
+        # fewer threads while other processes keep the cores busy (TP ranks split the cores)
+        self.thread_tuner = ThreadTuner.for_this_process(torch.get_num_threads()) \
+            if self.device.type == "cpu" and config.tp_size == 1 and config.adapt_threads \
+            else None
         if self.device.type == "cpu":
             return_free_memory()  # what loading (and compiling, with "wait") freed
 
@@ -316,6 +321,23 @@ class Engine:
 
         May run on a worker thread: it touches no scheduler state, only its arguments.
         """
+        tuner = self.thread_tuner
+        if tuner is None:
+            return self._run(inputs, sample_reqs, future_slots)
+        # OpenMP's thread count is the calling thread's: set on the thread that runs the step,
+        # and put back after it (the caller's torch ops between steps get what they had)
+        rows = inputs.input_ids.shape[0]
+        kind = (inputs.layout.phase == "decode", rows.bit_length())
+        threads, before = tuner.begin(kind, rows), torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return self._run(inputs, sample_reqs, future_slots)
+        finally:
+            torch.set_num_threads(before)
+            tuner.end()
+
+    def _run(self, inputs: ForwardInputs, sample_reqs: list[Req], future_slots: list[int]
+             ) -> SampleOutput | None:
         logits = self.forward(inputs)
         if logits.shape[0] == 0:
             return None

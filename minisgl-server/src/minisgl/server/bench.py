@@ -24,7 +24,11 @@ Workloads (``--scale`` multiplies every length, ``--num-requests`` the request c
 Q4_1, one request at a time) to offline-mixed, latency and burst.
 
 ``--vs-overlap`` adds a ``minisgl-overlap`` system (overlap scheduling forced on; the CPU default
-is off) to offline-mixed and latency.
+is off) to offline-mixed and latency; ``--vs-fixed-threads`` a ``minisgl-fixed`` one (always all
+its threads: ``--no-adapt-threads``) to offline-mixed, latency and burst.
+
+``--busy N`` runs every system beside N processes that each keep a core busy (a laptop's browser
+or build), started after the ceilings are measured and stopped at the end.
 
 Every result is also put next to a ceiling measured in the same run: a matmul in the run's dtype
 (FLOP/s; bf16 and float32 are both measured and printed) and a large reduction (memory read
@@ -44,6 +48,7 @@ Progress goes to stderr, the table to stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -52,7 +57,7 @@ import statistics
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -636,7 +641,7 @@ def peer_ratios(rows: Sequence[Row]) -> list[str]:
     for r in rows:
         if r.system != "minisgl":
             continue
-        for peer in ("minisgl-naive", "minisgl-overlap", "llama-cpp"):
+        for peer in ("minisgl-naive", "minisgl-overlap", "minisgl-fixed", "llama-cpp"):
             other = by_key.get((r.workload, peer, r.metric))
             if other and other.value > 0 and r.value > 0:
                 ratio = r.value / other.value if r.higher_is_better else other.value / r.value
@@ -702,7 +707,10 @@ def machine_line(info: dict[str, Any], ceilings: dict[str, float]) -> str:
     return (f"machine: {info['cores']} cores, {info['torch_threads']} torch threads, "
             f"dtype {info['dtype']}, torch {info['torch']}, "
             + (f"GPU {info['gpu']}, " if "gpu" in info else f"kernels {info['cpu_kernels']}, ")
-            + f"load {info['load_average_1m']}; ceilings: "
+            + f"load {info['load_average_1m']}"
+            + (f", beside {info['busy_processes']} busy processes" if info.get("busy_processes")
+               else "")
+            + "; ceilings: "
             f"{ceilings['matmul_flops'] / 1e9:.0f} GFLOP/s matmul ("
             + ", ".join(f"{k.removeprefix('matmul_flops_')} {v / 1e9:.0f}"
                         for k, v in ceilings.items() if k.startswith("matmul_flops_"))
@@ -811,6 +819,9 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
     if args.vs_overlap:
         systems.append(MinisglSystem(LLM(model=args.model, **dict(kw, overlap=True)),
                                      "minisgl-overlap", sampling))
+    if args.vs_fixed_threads:
+        systems.append(MinisglSystem(LLM(model=args.model, **dict(kw, adapt_threads=False)),
+                                     "minisgl-fixed", sampling))
     if args.workload in ("shared-prefix", "all"):
         systems.append(MinisglSystem(LLM(model=args.model, **dict(kw, cache="naive")),
                                      "minisgl-naive"))
@@ -850,7 +861,7 @@ def _run_workloads(args: argparse.Namespace, workloads: Sequence[str], systems: 
             from minisgl.server.bench_prefix import bench_shared_prefix
 
             pairs = [(s.name, s.llm if isinstance(s, MinisglSystem) else s) for s in systems
-                     if s.name not in ("minisgl-overlap", "llama-cpp")]
+                     if s.name not in ("minisgl-overlap", "minisgl-fixed", "llama-cpp")]
             rows += bench_shared_prefix(pairs, ids, args.scale, args.repeats or 1, args.data_seed)
         elif name == "online":
             from minisgl.server.bench_serve import bench_online
@@ -862,6 +873,25 @@ def _run_workloads(args: argparse.Namespace, workloads: Sequence[str], systems: 
             rows += bench_latency(systems, ids, args.scale, args.repeats or 3, args.data_seed,
                                   cost, ceilings, torch.device(args.device))
     return rows
+
+
+@contextlib.contextmanager
+def busy_processes(n: int) -> Iterator[None]:
+    """``n`` processes each spinning on a core while the block runs (``--busy``)."""
+    import subprocess
+
+    if n < 0:
+        raise ValueError(f"busy: must be >= 0 (got {n})")
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                              stdin=subprocess.DEVNULL) for _ in range(n)]
+    if n:
+        log(f"{n} busy processes beside the systems")
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -898,6 +928,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             info["llama_cpp_extra_buffers"] = s.extra_buffers
     log("measuring ceilings (matmul, memory read)")
     ceilings = measure_ceilings(llm.engine.dtype, llm.engine.device)
+    if args.busy:
+        info["busy_processes"] = args.busy
     print(machine_line(info, ceilings), flush=True)
     cost = ModelCost.from_config(llm.engine.model_config, llm.engine.dtype,
                                  llm.engine.config.quantization)
@@ -909,12 +941,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # run torch ops keeps its own OpenMP team, and while it exists every other torch thread in
     # the process runs small ops ~35% slower (2 cores). Interleaved, the overlap worker of
     # minisgl would slow the HF baseline down and inflate the ratios.
-    for s in sorted(systems, key=lambda s: s.name != "hf"):
-        log(f"warming up {s.name}")
-        warmup(s, ids)
-        rows += _run_workloads(args, workloads, [s], ids, cost, ceilings)
-        if isinstance(s, MinisglSystem):
-            s.llm.close()  # joins the forward worker thread
+    with busy_processes(args.busy):
+        for s in sorted(systems, key=lambda s: s.name != "hf"):
+            log(f"warming up {s.name}")
+            warmup(s, ids)
+            rows += _run_workloads(args, workloads, [s], ids, cost, ceilings)
+            if isinstance(s, MinisglSystem):
+                s.llm.close()  # joins the forward worker thread
     order = {s.name: i for i, s in enumerate(systems)}
     rows.sort(key=lambda r: (workloads.index(r.workload) if r.workload in workloads else 0,
                              order.get(r.system, len(order))))
@@ -967,6 +1000,11 @@ def add_parser(sub: Any) -> None:
                    help="greedy (default), or e.g. temperature=0.7,top_p=0.9 (also top_k=, "
                         "min_p=): every system samples so in latency, burst, offline-mixed, "
                         "online")
+    p.add_argument("--vs-fixed-threads", action="store_true",
+                   help="also run minisgl with --no-adapt-threads (all its threads always)")
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="run every system beside N processes that each keep a core busy "
+                        "(measured after the ceilings)")
     p.add_argument("--data-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH",

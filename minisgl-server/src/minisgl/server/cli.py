@@ -44,6 +44,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads per rank (default: the physical cores, split among "
                         "the ranks; OMP_NUM_THREADS)")
+    p.add_argument("--adapt-threads", action=argparse.BooleanOptionalAction,
+                   default=defaults["adapt_threads"],
+                   help="while other processes keep cores busy, time CPU steps with fewer "
+                        "threads too and run the faster count (default on; one rank only)")
     p.add_argument("--dist-timeout", type=float, default=defaults["dist_timeout"],
                    help="seconds a TP collective may wait before the deployment fails")
     p.add_argument("--compile", default=None, choices=COMPILE_MODES,
@@ -59,7 +63,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["dtype", "device", "attention_backend", "sampler", "schedule_policy", "cache",
             "overlap", "mixed_steps", "page_size",
             "num_pages", "kv_cache_memory", "max_running_requests", "max_prefill_tokens",
-            "max_model_len", "seed", "tp", "threads", "dist_timeout", "quantization"]
+            "max_model_len", "seed", "tp", "threads", "adapt_threads", "dist_timeout",
+            "quantization"]
     kw = {k: getattr(args, k) for k in keys}
     if args.compile is not None:  # else EngineConfig's default ($MINISGL_COMPILE or auto)
         kw["compile"] = args.compile
