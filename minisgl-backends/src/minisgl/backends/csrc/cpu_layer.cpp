@@ -424,7 +424,8 @@ inline bool claim(Share& s, uint32_t tag, bool own, int64_t& g) {
 // busy process beside the engine, batch-1 decode 24.4 -> 21.1 ms/token (median pair 1.18x) and
 // 8 requests 210 -> 276 tok/s (1.27x), where one chunk per thread and spinning waits had made
 // batch 1 ~3x slower than on an idle machine; idle, 0.995x and 0.976x. (The rest of the loss is
-// libgomp's own spinning between steps and time slices: one thread alone read ~10 ms there.)
+// libgomp's own spinning between steps and time slices: the engine then runs its steps on fewer
+// threads where that is faster, minisgl/core/threads.py.)
 thread_local int64_t run_to = 0;  // minisgl::run_end's answer while a grain runs (0: none)
 void work(Team& team, int64_t t, uint32_t tag) {
   int64_t g;
