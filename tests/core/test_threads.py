@@ -66,7 +66,6 @@ def test_busy_core_settles_on_the_faster_count() -> None:
     # after the trials, the trials of 2 threads back off to one per MAX_GAP seconds of steps
     share = later.count(2) / len(later)
     assert later.count(1) > 0 and share < 0.03, share
-    assert m.tuner.begin("decode", 1) in (1, 2)
 
 
 def test_light_load_keeps_the_faster_many() -> None:
