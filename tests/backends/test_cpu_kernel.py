@@ -35,6 +35,7 @@ from minisgl.core.request import Req
 from minisgl.core.sampling_params import SamplingParams
 from minisgl.core.testing.attention import run_case
 from tests.core.test_sampling import ref_draw, ref_keep, softmax64
+from tests.procs import busy_loops
 
 
 def _cpu_flags() -> set[str]:
@@ -1453,17 +1454,13 @@ def test_decoder_layers_few_rows_refuse_and_recover(threads: int) -> None:
                                                2, 1)
         assert torch.equal(y, wy) and torch.equal(r, wr) and torch.equal(got, want)
         assert not torch.equal(got, pools) and y.abs().sum() > 0
-        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        try:
+        with busy_loops(1):
             for _ in range(20):
                 again = pools.clone()
                 run = cpu_kernels.LayerRun(norms, ws, [], [], [], [], list(again[:, 0]),
                                            list(again[:, 1]), [0, 0], 0.2, 1e-5, 2, 1)
                 y, r = cpu_kernels.decoder_layers(run, x, None, cs, cs, *index)
                 assert torch.equal(y, wy) and torch.equal(r, wr) and torch.equal(again, want)
-        finally:
-            busy.kill()
-            busy.wait()
     finally:
         torch.set_num_threads(old)
 

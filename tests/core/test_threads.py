@@ -5,7 +5,6 @@ the engine's steps at both counts against an engine that keeps its threads."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from minisgl.core.threads import FIRST_GAP, MAX_GAP, SPAN, WINDOW, CpuLoad, ThreadTuner
+from tests.procs import busy_loops
 
 
 class Machine:
@@ -178,15 +178,11 @@ def test_cpu_load_sees_a_busy_process() -> None:
     load = CpuLoad()
     time.sleep(1.0)
     quiet = load()
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
+    with busy_loops(1):
         time.sleep(0.3)
         load()
         time.sleep(1.0)
         busy = load()
-    finally:
-        hog.kill()
-        hog.wait()
     assert 0.7 < busy < 1.5 and busy - quiet > 0.5, (quiet, busy)
     # its own CPU time is not counted
     load()
@@ -265,17 +261,11 @@ def test_engine_tries_fewer_threads_beside_real_busy_processes(two_thread_llm) -
     cpus = len(os.sched_getaffinity(0))
     if cpus < 2:
         pytest.skip("one CPU")
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(cpus - 1)]  # one CPU left free: short by ~1 of the 2 threads
-    try:
+    with busy_loops(cpus - 1):  # one CPU left free: short by ~1 of the 2 threads
         time.sleep(0.2)
         deadline = time.monotonic() + 60
         while tuner.fewer is None and time.monotonic() < deadline:
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=32, ignore_eos=True))
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
     assert tuner.fewer == 1
     deadline = time.monotonic() + 60
     while tuner.fewer is not None and time.monotonic() < deadline:

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.procs import busy_loop_pids
+
 
 def minisgl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, MINISGL_STRICT_PLUGINS="1", HF_HUB_OFFLINE="1")
@@ -121,18 +123,5 @@ def test_bench_runs_on_a_checkpoint_without_a_tokenizer(tmp_path: os.PathLike[st
     assert report["machine"]["busy_processes"] == 1
     assert [r["system"] for r in report["results"]] == ["minisgl", "minisgl-fixed"]
     assert "beside 1 busy processes" in res.stdout and "minisgl vs minisgl-fixed" in res.stdout
-    assert not _busy_loops()
+    assert not busy_loop_pids()
 
-
-def _busy_loops() -> list[str]:
-    """This user's processes running ``--busy``'s loop."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if cmd.rstrip().endswith("-c while True: pass"):
-            found.append(pid)
-    return found
