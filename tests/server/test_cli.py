@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -110,9 +111,19 @@ def test_bench_runs_on_a_checkpoint_without_a_tokenizer(tmp_path: os.PathLike[st
                   "--repeats", "1", "--json", out)
     assert res.returncode == 0, res.stderr[-3000:]
     with open(out) as f:
-        rows = json.load(f)["results"]
+        report = json.load(f)
+    rows = report["results"]
     assert [(r["workload"], r["system"]) for r in rows] == [("burst", "minisgl")]
     assert rows[0]["value"] > 0
+    # the CPU by name and family (a VM's bare "AMD EPYC" is two generations), as lscpu says
+    cpu = report["machine"]["cpu"]
+    assert f"machine: {cpu}, " in res.stdout
+    if shutil.which("lscpu"):
+        lscpu = dict(line.split(":", 1) for line in subprocess.run(
+            ["lscpu"], capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"},
+            check=True).stdout.splitlines() if ":" in line)
+        assert cpu.startswith(lscpu["Model name"].strip()), (cpu, lscpu["Model name"])
+        assert f"family {lscpu['CPU family'].strip()}, model {lscpu['Model'].strip()})" in cpu
 
     # beside a busy process, against the engine that keeps its threads; the process is gone after
     res = minisgl("bench", "burst", "--model", model_dir, "--compile", "off", "--scale", "0.1",
