@@ -3,7 +3,7 @@
 A CPU step's threads meet many times per step (~150 OpenMP regions, or the team's jobs, per
 decode step). When another process takes a core, the OS time-slices it with one of the engine's
 threads, and each meeting then waits for the thread that is off its core; libgomp's idle
-workers, spinning between regions, take time slices too. Measured on 2 cores (AMD Zen 4,
+workers, spinning between regions, take time slices too. Measured on 2 cores (AMD Zen 5,
 SmolLM2) beside one busy loop, 2 threads against 1: batch-1 decode 19.1 vs 6.7 ms/token, 8
 requests 292 vs 510 tok/s, 32 requests 496 vs 860, a 1,024-token prefill 1,440-1,630 vs 1,780;
 on an idle machine 2 threads read 5.6 ms, 820, 1,550 and 3,550. Under a lighter load the answer

@@ -376,7 +376,7 @@ struct alignas(64) Word {
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&v), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr,
               nullptr, 0);
   }
-  static constexpr int64_t kSpins = 256;  // ~7 us of pause on AMD Zen 4 (~27 ns each)
+  static constexpr int64_t kSpins = 256;  // ~7 us of pause on AMD Zen 5 (~27 ns each)
 };
 
 // A thread's share of a job's grains and how many grains it has finished (all jobs so far),
@@ -419,7 +419,7 @@ inline bool claim(Share& s, uint32_t tag, bool own, int64_t& g) {
 // Thread t's part of job `tag`: its own grains, then any left in the others' shares. Why grains
 // and not one contiguous chunk per thread: a thread the OS has descheduled (more runnable threads
 // than cores: a laptop's browser, the server's own processes; or a slower core of a hybrid CPU)
-// held up every job of a step at its end; now the others finish its share. Measured on AMD Zen 4
+// held up every job of a step at its end; now the others finish its share. Measured on AMD Zen 5
 // (2 cores, SmolLM2, the two schemes alternating in one process; docs/benchmarks.md): with one
 // busy process beside the engine, batch-1 decode 24.4 -> 21.1 ms/token (median pair 1.18x) and
 // 8 requests 210 -> 276 tok/s (1.27x), where one chunk per thread and spinning waits had made
