@@ -125,6 +125,21 @@ def test_bench_runs_on_a_checkpoint_without_a_tokenizer(tmp_path: os.PathLike[st
         assert cpu.startswith(lscpu["Model name"].strip()), (cpu, lscpu["Model name"])
         assert f"family {lscpu['CPU family'].strip()}, model {lscpu['Model'].strip()})" in cpu
 
+    # a longer prefill (max_position_embeddings 512): its length in the metric, its FLOPs in the
+    # ceiling; past the model's length or not positive, a clear error naming the flag
+    res = minisgl("bench", "latency", "--model", model_dir, "--compile", "off", "--scale", "0.1",
+                  "--repeats", "1", "--prefill-tokens", "4000", "--json", out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(out) as f:
+        rows = {r["metric"]: r for r in json.load(f)["results"]}
+    assert rows["prefill tok/s (400 tok)"]["value"] > 0
+    for bad, words in (("6000", "prefill_tokens: 600 tokens is more than the model takes (512)"),
+                       ("0", "--prefill-tokens: must be at least 1")):
+        res = minisgl("bench", "latency", "--model", model_dir, "--compile", "off", "--scale",
+                      "0.1", "--prefill-tokens", bad)
+        assert res.returncode == 2 and words in res.stderr, res.stderr[-2000:]
+        assert "Traceback" not in res.stderr
+
     # beside a busy process, against the engine that keeps its threads; the process is gone after
     res = minisgl("bench", "burst", "--model", model_dir, "--compile", "off", "--scale", "0.1",
                   "--repeats", "1", "--busy", "1", "--vs-fixed-threads", "--json", out)

@@ -7,7 +7,8 @@ Workloads (``--scale`` multiplies every length, ``--num-requests`` the request c
   wall time. HF runs static batches of 16 with left padding and counts only each request's own
   output tokens.
 * ``latency``: one 128-token prompt, 128 output tokens: decode ms/token measured apart from the
-  prefill (time to first token, then the rest / (n - 1)); plus one 1024-token prefill.
+  prefill (time to first token, then the rest / (n - 1)); plus one 1024-token prefill
+  (``--prefill-tokens``: a longer prompt, where attention weighs more).
 * ``shared-prefix``: 8 groups x 8 prompts sharing a 1024-token system prompt per group, 64-token
   questions, 32 output tokens, all at once: throughput and mean TTFT with the radix cache, with
   ``--cache naive`` (system ``minisgl-naive``), and HF (bench_prefix.py).
@@ -308,6 +309,13 @@ def random_prompt(rng: random.Random, ids: Sequence[int], n: int) -> list[int]:
     return [ids[rng.randrange(len(ids))] for _ in range(n)]
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {n})")
+    return n
+
+
 def _scaled(n: int, scale: float) -> int:
     return max(1, round(n * scale))
 
@@ -594,11 +602,12 @@ def bench_burst(systems: Sequence[System], ids: Sequence[int], scale: float, rep
 
 def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, repeats: int,
                   seed: int, cost: ModelCost, ceilings: dict[str, float],
-                  device: torch.device | None = None) -> list[Row]:
+                  device: torch.device | None = None, prefill_tokens: int = 1024) -> list[Row]:
     import torch
 
     device = device or torch.device("cpu")
-    plen, n_out, long_len = _scaled(128, scale), max(2, _scaled(128, scale)), _scaled(1024, scale)
+    plen, n_out = _scaled(128, scale), max(2, _scaled(128, scale))
+    long_len = _scaled(prefill_tokens, scale)
     # a system in a weight format of its own (llama.cpp's GGUF) says what a decode step reads
     weights = {s.name: getattr(s, "decode_bytes", None) or cost.decode_bytes() for s in systems}
     prefill_ceiling = long_len / (cost.prefill_flops(0, long_len) / ceilings["matmul_flops"])
@@ -835,6 +844,11 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
     kw = bench_engine_kwargs(args)
     log(f"loading minisgl ({args.model})")
     llm = LLM(model=args.model, **kw)
+    long_len = _scaled(args.prefill_tokens, args.scale)
+    if args.workload in ("latency", "all") and long_len > llm.engine.max_model_len:
+        llm.close()
+        raise ValueError(f"prefill_tokens: {long_len} tokens is more than the model takes "
+                         f"({llm.engine.max_model_len})")
     settle_compile(args, llm)
     kw = bench_engine_kwargs(args)
     sampling = sampling_spec(args.sampling)
@@ -857,6 +871,7 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
                                "llama-cpp-python")
         log("loading llama.cpp (llama-cpp-python) on the bundled Q4_1 GGUF")
         systems.append(LlamaCppSystem(str(_locate_gguf()), args.threads or torch.get_num_threads(),
+                                      n_ctx=max(4096, args.prefill_tokens + 16),
                                       sampling=sampling))
     if "hf" in peers:
         log("loading HF transformers model")
@@ -894,7 +909,7 @@ def _run_workloads(args: argparse.Namespace, workloads: Sequence[str], systems: 
                     rows += bench_online(args, s, list(ids))
         else:
             rows += bench_latency(systems, ids, args.scale, args.repeats or 3, args.data_seed,
-                                  cost, ceilings, torch.device(args.device))
+                                  cost, ceilings, torch.device(args.device), args.prefill_tokens)
     return rows
 
 
@@ -1028,6 +1043,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--busy", type=int, default=0, metavar="N",
                    help="run every system beside N processes that each keep a core busy "
                         "(measured after the ceilings)")
+    p.add_argument("--prefill-tokens", type=_positive, default=1024, metavar="N",
+                   help="latency: the long prompt's length, prefilled once (default 1024)")
     p.add_argument("--data-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH",
