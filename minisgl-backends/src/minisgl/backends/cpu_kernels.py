@@ -85,16 +85,27 @@ _state: bool | None = None
 _lock = threading.Lock()
 
 
-def cpu_flags() -> list[str]:
-    """The CPU's instruction-set flags (/proc/cpuinfo), sorted; empty where unknown."""
+def cpuinfo() -> dict[str, str]:
+    """The first CPU's fields in /proc/cpuinfo ("model name", "cpu family", "flags", ...); empty
+    where there is none."""
+    fields: dict[str, str] = {}
     if platform.system() != "Linux":
-        return []
+        return fields
     try:
         with open("/proc/cpuinfo") as f:
-            line = next(x for x in f if x.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
-    return sorted(line.split(":", 1)[1].split())
+            for line in f:
+                if not line.strip():
+                    break  # the end of the first CPU's block
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return fields
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's instruction-set flags (/proc/cpuinfo), sorted; empty where unknown."""
+    return sorted(cpuinfo().get("flags", "").split())
 
 
 def isa() -> str:

@@ -131,16 +131,9 @@ def cpu_name() -> str:
     what the platform module says."""
     import platform
 
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    break  # the first CPU's fields
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
-    except OSError:
-        pass
+    from minisgl.backends import cpu_kernels
+
+    fields = cpu_kernels.cpuinfo()
     name = fields.get("model name") or platform.processor() or platform.machine()
     if "cpu family" in fields:
         name += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
@@ -844,7 +837,7 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
     kw = bench_engine_kwargs(args)
     log(f"loading minisgl ({args.model})")
     llm = LLM(model=args.model, **kw)
-    long_len = _scaled(args.prefill_tokens, args.scale)
+    long_len = _scaled(args.prefill_tokens, args.scale)  # bench_latency's long prompt
     if args.workload in ("latency", "all") and long_len > llm.engine.max_model_len:
         llm.close()
         raise ValueError(f"prefill_tokens: {long_len} tokens is more than the model takes "
@@ -871,7 +864,7 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
                                "llama-cpp-python")
         log("loading llama.cpp (llama-cpp-python) on the bundled Q4_1 GGUF")
         systems.append(LlamaCppSystem(str(_locate_gguf()), args.threads or torch.get_num_threads(),
-                                      n_ctx=max(4096, args.prefill_tokens + 16),
+                                      n_ctx=max(4096, long_len + 16),
                                       sampling=sampling))
     if "hf" in peers:
         log("loading HF transformers model")
