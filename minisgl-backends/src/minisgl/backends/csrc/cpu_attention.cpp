@@ -414,7 +414,7 @@ inline void lane_pv(const __m512i* pt, const __m512i* vp, int64_t D, float* OT, 
 // registers (through 16 pointers GCC kept half of them in vector registers and moved them back
 // per use). Prefill attention, 8,000 tokens, SmolLM2's heads (Zen 5, 2 threads, processes
 // alternating): 8 chains 575-580 GFLOP/s, 16 through pointers 596-616, 16 at fixed offsets
-// 636-647; at 4,096 tokens 566-578 / 579-593 / 572-644 (16 and 8 heads of 128: 559 -> 622-642).
+// 636-647; at 4,096 tokens 566-578 / 579-593 / 572-644 (16 and 8 heads of 128: 559 -> 622-649).
 template <int NK>
 inline void qk_lanes_n(const __m512i* qt, const uint16_t* const* krow, int64_t P, __m512* out) {
   __m512 acc[NK];
