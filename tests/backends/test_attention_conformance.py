@@ -64,6 +64,21 @@ def test_sliding_window(attention_backend: str, dtype: torch.dtype, page_size: i
              atol=2e-5 if dtype == torch.float32 else 3e-2, window=12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the CPU kernel
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("phase", "prefix_lens", "new_lens"), [
+    ("prefill", [0, 0, 0], [1, 17, 40]),
+    ("prefill", [16, 3, 70, 0], [5, 30, 1, 9]),
+    ("decode", [0, 1, 15, 16, 100, 63, 300], [1] * 7),
+])
+def test_int8_kv_pool(attention_backend: str, dtype: torch.dtype, page_size: int, phase: str,
+                      prefix_lens: list[int], new_lens: list[int]) -> None:
+    """An int8 pool (kv_cache_dtype="int8"): attention over the K/V as the pool holds them."""
+    run_case(attention_backend, page_size=page_size, num_heads=9, num_kv_heads=3, head_dim=64,
+             prefix_lens=prefix_lens, new_lens=new_lens, phase=phase, dtype=dtype,
+             atol=2e-5 if dtype == torch.float32 else 3e-2, kv_dtype=torch.int8)
+
+
 def test_reference_is_not_trivial() -> None:
     """The reference itself: one query over one key returns that value; causality holds."""
     from minisgl.core.testing.attention import reference_attention

@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from minisgl.backends import cpu_kernels
 from minisgl.core import sampling
+from minisgl.core.kvcache import KVPool, quantize_rows
 from minisgl.core.layers import quant
 from minisgl.core.request import Req
 from minisgl.core.sampling_params import SamplingParams
@@ -55,6 +56,8 @@ HAS_AMX = HAS_AVX512_BF16 and {"amx_tile", "amx_bf16", "amx_int8"} <= _cpu_flags
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.enabled() or not {"avx2", "fma"} <= _cpu_flags(),
     reason="MINISGL_CPU_KERNELS=off or no AVX2 with FMA on this CPU")
+# whether this build reads int8 KV pools (the AVX512-BF16 one)
+INT8_KV = cpu_kernels.load() and torch.ops.minisgl_cpu.int8_kv()
 
 
 def test_kernel_builds_and_loads() -> None:
@@ -399,6 +402,33 @@ def test_backend_uses_kernel_on_paged_pool(monkeypatch: pytest.MonkeyPatch, page
     assert calls, "the torch backend did not use the CPU kernel for a bf16 pool"
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize(("phase", "prefix_lens", "new_lens"), [
+    ("prefill", [16, 3, 70, 0], [5, 30, 1, 9]),
+    ("decode", [0, 1, 15, 16, 100, 63], [1] * 6),
+])
+def test_backend_on_int8_pool(monkeypatch: pytest.MonkeyPatch, kernel: bool, phase: str,
+                              prefix_lens: list[int], new_lens: list[int]) -> None:
+    """The torch backend over an int8 pool: the kernel where this build reads int8 pools,
+    PyTorch's path where it does not (forced here); both attend over what the pool holds."""
+    if kernel and not INT8_KV:
+        pytest.skip("the AVX2 build reads bf16 pools only")
+    calls = []
+    real = cpu_kernels.paged_attention
+
+    def counting(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_kernels, "paged_attention", counting)
+    if not kernel:
+        monkeypatch.setattr(cpu_kernels, "supports", lambda *a, **k: False)
+    run_case("torch", page_size=16, num_heads=9, num_kv_heads=3, head_dim=64,
+             prefix_lens=prefix_lens, new_lens=new_lens, phase=phase, dtype=torch.bfloat16,
+             atol=2e-2, kv_dtype=torch.int8)
+    assert bool(calls) == kernel
+
+
 def test_bad_inputs_are_refused() -> None:
     assert cpu_kernels.load(), cpu_kernels.load_error
     q = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
@@ -417,6 +447,120 @@ def test_bad_inputs_are_refused() -> None:
     for scale in (0.0, -0.125):
         with pytest.raises(RuntimeError, match="scale must be > 0"):
             cpu_kernels.paged_attention(q, k, v, slots, lens, starts, one, scale)
+
+
+def _records(x: torch.Tensor) -> torch.Tensor:
+    """bf16 rows [..., D] as an int8 KV pool's records [..., D + 4] (KVPool's layout: the
+    values, then the float32 scale's bytes)."""
+    values, scales = quantize_rows(x)
+    return torch.cat([values, scales.unsqueeze(-1).view(torch.int8)], dim=-1)
+
+
+def _dequantized(records: torch.Tensor) -> torch.Tensor:
+    """The bf16 values int8 records stand for: value x scale, rounded to bf16."""
+    d = records.shape[-1] - 4
+    return (records[..., :d].float() * records[..., d:].contiguous().view(torch.float32)
+            ).bfloat16()
+
+
+def test_quantize_rows_against_float64() -> None:
+    """KVPool's int8 rows: values within half a step of x / scale (the largest at +-127),
+    scale max|x| / 127 (to an ulp), a row of zeros all zeros; a pool writes those records and reads back
+    value x scale."""
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(64, 3, 64, generator=gen) * torch.rand(64, 3, 1, generator=gen) * 8).bfloat16()
+    x[5, 1] = 0
+    values, scales = quantize_rows(x)
+    amax = x.double().abs().amax(-1)
+    assert ((scales.double() - amax / 127).abs() <= amax / 127 * 2 ** -23).all()  # an ulp
+    exact = x.double() / (amax / 127).clamp_min(1e-300)[..., None]
+    assert ((values.double() - exact).abs() <= 0.5 + 1e-4).all()
+    assert torch.equal(values.abs().amax(-1)[amax > 0], torch.full_like(amax[amax > 0], 127,
+                                                                        dtype=torch.int8))
+    assert not values[5, 1].any() and scales[5, 1] == 0
+    pool = KVPool(1, 8, 16, 3, 64, torch.bfloat16, torch.device("cpu"), torch.int8)
+    slots = torch.randperm(127, generator=gen)[:64] + 1
+    pool.write(0, slots, x, -x)
+    assert torch.equal(pool.k[0][:, slots], _records(x).transpose(0, 1))
+    k, v = pool.read(0, slots)
+    assert torch.equal(k, _dequantized(_records(x)).transpose(0, 1)) and torch.equal(v, -k)
+    assert pool.num_bytes == 2 * 3 * 128 * 68
+
+
+@pytest.mark.skipif(not INT8_KV, reason="the AVX2 build reads bf16 pools only")
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"),
+                         [(3, 3, 64), (2, 2, 128), (1, 8, 32), (2, 4, 256)])
+def test_int8_pool_is_its_dequantized_values(case: str, kv_heads: int, group: int,
+                                             head_dim: int) -> None:
+    """Over an int8 pool the kernel widens each block's rows to bf16 (value x scale) and runs
+    the bf16 kernel on them: the output equals the bf16 kernel's over the dequantized pool, bit
+    for bit (split-K decode, prefill, extend, chunks, scattered slots), and so is within the
+    bf16 bound of the float64 attention over the values the pool holds."""
+    q_lens, kv_lens = [a for a, _ in CASES[case]], [b for _, b in CASES[case]]
+    q, k, v, slots = _random_batch(case, kv_heads, group, head_dim, seed=6)
+    k8, v8 = _records(k), _records(v)
+    kd, vd = _dequantized(k8), _dequantized(v8)
+    scale = 1 / math.sqrt(head_dim)
+    out = _attend(q, k8, v8, slots, kv_lens, q_lens, scale)
+    if not HAS_AMX:  # (items of 16 rows run on tiles over bf16 pools)
+        assert torch.equal(out, _attend(q, kd, vd, slots, kv_lens, q_lens, scale))
+    ref = reference(q, kd, vd, slots, kv_lens, q_lens, scale)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+    # the quantization is visible against the unquantized K/V, and small
+    exact = reference(q, k, v, slots, kv_lens, q_lens, scale)
+    assert 0 < (ref - exact).abs().max().item() < 0.1
+
+
+@pytest.mark.skipif(not INT8_KV, reason="the AVX2 build reads bf16 pools only")
+@pytest.mark.parametrize("phase", ["extend", "decode"])
+def test_int8_pool_shared_prefixes_and_page_runs(phase: str) -> None:
+    """Decode groups sharing a cached prefix and extends after one, on pages of 16 consecutive
+    slots: equal to the bf16 kernel over the dequantized pool."""
+    gen = torch.Generator().manual_seed(8)
+    pages = (torch.randperm(255, generator=gen) + 1).tolist()
+
+    def run_of(n: int) -> torch.Tensor:
+        taken = [pages.pop() for _ in range((n + 15) // 16)]
+        return torch.cat([torch.arange(16 * p, 16 * p + 16) for p in taken])[:n]
+
+    prefix = run_of(100)
+    own = [17, 1, 64, 40] if phase == "decode" else [30, 5, 64]
+    rows = [torch.cat([prefix, run_of(n)]) for n in own]
+    kv_lens = [100 + n for n in own]
+    q_lens = [1] * len(own) if phase == "decode" else own
+    lk = max(len(r) for r in rows)
+    slots = torch.stack([torch.cat([r, torch.zeros(lk - len(r), dtype=torch.int64)])
+                         for r in rows])
+    k8 = _records(torch.randn(3, 4096, 64, generator=gen).bfloat16())
+    v8 = _records(torch.randn(3, 4096, 64, generator=gen).bfloat16())
+    q = (2 * torch.randn(sum(q_lens), 9, 64, generator=gen)).bfloat16()
+    out = _attend(q, k8, v8, slots, kv_lens, q_lens, 0.125)
+    kd, vd = _dequantized(k8), _dequantized(v8)
+    if not HAS_AMX:
+        assert torch.equal(out, _attend(q, kd, vd, slots, kv_lens, q_lens, 0.125))
+    ref = reference(q, kd, vd, slots, kv_lens, q_lens, 0.125)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+
+
+def test_int8_pool_bad_inputs_are_refused() -> None:
+    """An int8 pool whose rows are not head_dim + 4 bytes, K and V of different types, or (in
+    the AVX2 build) any int8 pool: clear errors."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    q = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    k8 = torch.zeros(2, 64, 68, dtype=torch.int8)
+    slots = torch.zeros(2, 8, dtype=torch.int64)
+    one, lens, starts = torch.ones(2, dtype=torch.int64), torch.full((2,), 4), torch.arange(2)
+    if not INT8_KV:
+        with pytest.raises(RuntimeError, match="int8 KV pool needs the AVX512-BF16 build"):
+            cpu_kernels.paged_attention(q, k8, k8, slots, lens, starts, one, 1.0)
+        return
+    with pytest.raises(RuntimeError, match="pool shapes differ"):
+        narrow = k8[..., :64].contiguous()
+        cpu_kernels.paged_attention(q, narrow, narrow, slots, lens, starts, one, 1.0)
+    with pytest.raises(RuntimeError, match="of one shape"):
+        cpu_kernels.paged_attention(q, k8, torch.zeros(2, 64, 68, dtype=torch.bfloat16), slots,
+                                    lens, starts, one, 1.0)
 
 
 def _int8_x_reference(x: torch.Tensor) -> torch.Tensor:
@@ -1190,7 +1334,8 @@ def _layer_reference(x, res, in_norm, post_norm, ws, scales, qkv_b, o_b, q_norm,
         v32 = v.float()
         return w * (v32 * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
 
-    m, d = x.shape[0], k_pool.shape[2]
+    kv8 = k_pool.dtype == torch.int8  # records of d values and a scale (_records)
+    m, d = x.shape[0], k_pool.shape[2] - (4 if kv8 else 0)
     inter = ws[3].shape[1] * 2  # the down projection's inputs
     outs = [(heads + 2 * kv_heads) * d, x.shape[1], 2 * inter, x.shape[1]]
 
@@ -1213,8 +1358,9 @@ def _layer_reference(x, res, in_norm, post_norm, ws, scales, qkv_b, o_b, q_norm,
     if q_norm is not None:
         q, k = norm(q, q_norm), norm(k, k_norm)
     q, k = rope(q), rope(k)
-    k_pool[:, out_loc] = k.transpose(0, 1)
-    v_pool[:, out_loc] = v.reshape(m, kv_heads, d).transpose(0, 1)
+    store = _records if kv8 else (lambda t: t)
+    k_pool[:, out_loc] = store(k.transpose(0, 1))
+    v_pool[:, out_loc] = store(v.reshape(m, kv_heads, d).transpose(0, 1))
     a = cpu_kernels.paged_attention(q.contiguous(), k_pool, v_pool, slots, kv_lens, q_start,
                                     q_lens, scale, window)
     o = linear(a.reshape(m, -1), 1)
@@ -1223,6 +1369,7 @@ def _layer_reference(x, res, in_norm, post_norm, ws, scales, qkv_b, o_b, q_norm,
     return linear(F.silu(g) * u, 3), r2
 
 
+@pytest.mark.parametrize("kv8", [False, True])
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize(("kv_lens", "q_lens", "window", "first", "extras", "sizes"), [
     ([37], [1], 0, False, False, (576, 1536)), ([1], [1], 0, True, False, (576, 1536)),
@@ -1237,14 +1384,17 @@ def _layer_reference(x, res, in_norm, post_norm, ws, scales, qkv_b, o_b, q_norm,
     ([33, 70], [33, 1], 0, False, True, (580, 1540))])
 def test_decoder_layer_matches_its_steps(kv_lens: list[int], q_lens: list[int], window: int,
                                          first: bool, extras: bool, sizes: tuple[int, int],
-                                         int8: bool) -> None:
+                                         int8: bool, kv8: bool) -> None:
     """A step's layer in one call (cpu_layer.cpp) against the same steps op by op: SmolLM2's
     shapes (9 heads over 3 KV heads of 64, hidden 576, intermediate 1536), and a hidden size and
     intermediate size that are not multiples of 8 (the vector loops' tails); decode steps of
     requests of 1 to 130 keys, prefills (up to 600 rows) and extends after a cached prefix, mixed
     with decode rows; a sliding window, the first layer (no residual yet), q/k/v and o biases
-    with per-head q and k norms (Qwen2's, Qwen3's); bf16 and int8 weights."""
+    with per-head q and k norms (Qwen2's, Qwen3's); bf16 and int8 weights; bf16 and int8
+    pools (kv8: the new K/V stored as the bytes KVPool.write stores for the same values)."""
     assert cpu_kernels.load(), cpu_kernels.load_error
+    if kv8 and not INT8_KV:
+        pytest.skip("the AVX2 build reads bf16 pools only")
     g = torch.Generator().manual_seed(sum(kv_lens) + sum(q_lens) + window)
     (hidden, inter), heads, kv_heads, d, pages = sizes, 9, 3, 64, 1024
     m = sum(q_lens)
@@ -1265,6 +1415,8 @@ def test_decoder_layer_matches_its_steps(kv_lens: list[int], q_lens: list[int], 
     angle = pos[:, None].float() * (1e4 ** -(torch.arange(d // 2) / (d // 2)))[None]
     cos, sin = (torch.cat([f(angle)] * 2, dim=-1).bfloat16() for f in (torch.cos, torch.sin))
     pool = torch.randn(2, kv_heads, pages, d, generator=g).bfloat16()
+    if kv8:
+        pool = _records(pool)
     perm = torch.randperm(pages - 1, generator=g) + 1  # slot 0 is never a request's
     lk = max(kv_lens)
     slots = torch.stack([perm[i * lk:(i + 1) * lk] for i in range(len(kv_lens))])
@@ -1296,7 +1448,9 @@ def test_decoder_layer_matches_its_steps(kv_lens: list[int], q_lens: list[int], 
         assert torch.equal(got_pool, want_pool)
         torch.testing.assert_close(r2, want_r2)
         torch.testing.assert_close(y, want_y)
-    for got, want in ((got_pool[:, :, new], want_pool[:, :, new]), (r2, want_r2), (y, want_y)):
+    kv = (_dequantized if kv8 else (lambda t: t))
+    for got, want in ((kv(got_pool[:, :, new]), kv(want_pool[:, :, new])), (r2, want_r2),
+                      (y, want_y)):
         torch.testing.assert_close(got, want, atol=2 ** -4, rtol=1.6e-2)
 
 

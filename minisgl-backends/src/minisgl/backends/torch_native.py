@@ -91,11 +91,11 @@ class TorchNativeBackend(AttentionBackend):
         # The first engine on a machine builds the kernels (~6 s); later ones load them. Loading
         # also registers the bf16 and int8 linear kernels with the core (cpu_kernels.load), for
         # any head shape: the engine converts the weights after building the backend.
-        dtype = kv.k[0].dtype
+        dtype = kv.dtype
         if device.type == "cpu" and dtype == torch.bfloat16:
             cpu_kernels.load()
         self.uses_cpu_kernel = device.type == "cpu" and cpu_kernels.supports(
-            dtype, num_heads, num_kv_heads, head_dim)
+            dtype, num_heads, num_kv_heads, head_dim, kv.quantized)
         # the decoder layers as one call (bind_decoder_layers, for this backend's steps)
         self.fused_layers = self.uses_cpu_kernel and cpu_kernels.fused_layer_enabled()
         # PyTorch's path: on a CPU without bf16 instructions (AVX2), PyTorch's bf16 matmuls are
@@ -173,9 +173,9 @@ class TorchNativeBackend(AttentionBackend):
                 meta: TorchNativeMeta) -> torch.Tensor:
         self.kv.write(layer, meta.out_loc, k, v)
         if meta.kernel is not None:
-            a, kp = meta.kernel, self.kv.k[layer]
-            qh = q.reshape(q.shape[0], self.num_heads, self.head_dim).to(kp.dtype).contiguous()
-            out = cpu_kernels.paged_attention(qh, kp, self.kv.v[layer], a.slots, a.kv_lens,
+            a = meta.kernel
+            qh = q.reshape(q.shape[0], self.num_heads, self.head_dim).to(self.kv.dtype).contiguous()
+            out = cpu_kernels.paged_attention(qh, self.kv.k[layer], self.kv.v[layer], a.slots, a.kv_lens,
                                               a.q_start, a.q_lens, self.scale, self.windows[layer])
             return out.view(q.shape[0], -1).to(q.dtype)
         window = self.windows[layer]
@@ -184,11 +184,14 @@ class TorchNativeBackend(AttentionBackend):
             return self._decode(q, kp, vp, meta.window_masks[window] if window else meta.mask)
         outs = []
         gqa = self.num_heads != self.num_kv_heads
-        dtype = self.kv.k[layer].dtype
+        dtype = self.kv.dtype
         for seg in meta.segments:
             end = seg.start + seg.q_len
-            ki, vi = k[seg.start:end].transpose(0, 1), v[seg.start:end].transpose(0, 1)
-            ki, vi = ki.to(dtype), vi.to(dtype)  # [KVH, n, D], exactly what the pool holds
+            if self.kv.quantized:  # as the pool holds them (and later steps will read them)
+                ki, vi = self.kv.read(layer, meta.out_loc[seg.start:end])
+            else:
+                ki, vi = k[seg.start:end].transpose(0, 1), v[seg.start:end].transpose(0, 1)
+                ki, vi = ki.to(dtype), vi.to(dtype)  # [KVH, n, D], exactly what the pool holds
             if seg.prefix_slots is not None:
                 pk, pv = self.kv.read(layer, seg.prefix_slots)
                 ki, vi = torch.cat([pk, ki], dim=1), torch.cat([pv, vi], dim=1)

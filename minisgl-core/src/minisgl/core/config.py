@@ -221,6 +221,9 @@ class EngineConfig:
     adapt_threads: bool = True
     dist_timeout: float = 300.0  # seconds a TP collective may wait before it is an error
     quantization: str | None = None  # "int8": weight-only int8 linear layers and LM head
+    # the KV pool's element type: "auto" (the model's dtype) or "int8" (a float32 scale per head
+    # and token; half of bf16's bytes: twice the tokens per byte, less for attention to read)
+    kv_cache_dtype: str = "auto"
     # torch.compile of the decode step (compile.py): auto | on (background) | wait | off
     compile: str = field(default_factory=default_mode)
 
@@ -239,6 +242,7 @@ class EngineConfig:
             ("threads", self.threads is None or self.threads >= 1, "must be >= 1"),
             ("dist_timeout", self.dist_timeout > 0, "must be > 0 seconds"),
             ("quantization", self.quantization in (None, "int8"), "must be None or 'int8'"),
+            ("kv_cache_dtype", self.kv_cache_dtype in ("auto", "int8"), "must be 'auto' or 'int8'"),
             ("compile", self.compile in COMPILE_MODES, f"must be one of {', '.join(COMPILE_MODES)}"),
         ]
         for name, ok, why in checks:

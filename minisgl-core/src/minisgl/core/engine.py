@@ -117,13 +117,14 @@ class Engine:
         page = config.page_size
         tp = self.comm.world_size
         kv_heads = mc.num_kv_heads // tp if mc.num_kv_heads >= tp else 1
-        per_page = KVPool.bytes_per_page(mc, page, kv_heads, self.dtype)
+        kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else None
+        per_page = KVPool.bytes_per_page(mc, page, kv_heads, self.dtype, kv_dtype)
         num_pages = config.num_pages or max(2, config.kv_cache_memory // per_page)
         if self.device.type == "cpu":
             check_pool_fits(num_pages * per_page,
                             "num_pages" if config.num_pages else "kv_cache_memory")
         self.kv = KVPool(mc.num_layers, num_pages, page, kv_heads, mc.head_dim, self.dtype,
-                         self.device)
+                         self.device, kv_dtype)
         self.allocator = PageAllocator(num_pages)
         self.table = ReqToTokenTable(config.max_running_requests,
                                      -(-self.max_model_len // page) * page, self.device)

@@ -21,40 +21,81 @@ class KVPool:
     Head-major, so gathering a batch's slots yields each head's keys contiguously: attention
     reads them without another copy (the copy was ~a quarter of a CPU decode step).
 
+    ``kv_dtype=torch.int8`` (``kv_cache_dtype="int8"``) stores each (head, slot) row as
+    ``head_dim`` int8 values and its float32 scale in the 4 bytes after them: ``k[layer]`` is
+    int8 ``[kv_heads, slots, head_dim + 4]``, a row x is ``round(x * 127 / max|x|)`` times
+    ``max|x| / 127`` (``quantize_rows``), half the bytes of bf16 for attention to read, and the
+    kernels find a row's scale beside its values. ``read`` returns ``dtype`` either way.
+
     On CPU each layer's K and V is an anonymous memory map of its own, which the kernel hands out
     zeroed page by page as K/V are first written: memory is resident where requests have been,
     not the whole budget from startup (``torch.zeros`` wrote every page up front)."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.num_pages, self.page_size = num_pages, page_size
-        shape = (kv_heads, num_pages * page_size, head_dim)
+                 head_dim: int, dtype: torch.dtype, device: torch.device,
+                 kv_dtype: torch.dtype | None = None) -> None:
+        if kv_dtype not in (None, dtype, torch.int8):
+            raise ValueError(f"kv_dtype: {kv_dtype} is neither the model's dtype nor torch.int8")
+        self.num_pages, self.page_size, self.head_dim = num_pages, page_size, head_dim
+        self.dtype = dtype  # what read() returns
+        self.quantized = kv_dtype == torch.int8
+        store = torch.int8 if self.quantized else dtype
+        shape = (kv_heads, num_pages * page_size, head_dim + 4 if self.quantized else head_dim)
         if torch.device(device).type == "cpu":
-            tensors = _lazy_zeros(2 * num_layers, shape, dtype)
+            tensors = _lazy_zeros(2 * num_layers, shape, store)
         else:
-            tensors = [torch.zeros(shape, dtype=dtype, device=device)
+            tensors = [torch.zeros(shape, dtype=store, device=device)
                        for _ in range(2 * num_layers)]
         self.k, self.v = tensors[:num_layers], tensors[num_layers:]
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``slots`` (any shape S) as [kv_heads, *S, head_dim]."""
+        """K and V of ``slots`` (any shape S) as [kv_heads, *S, head_dim], in ``dtype``."""
         flat = slots.reshape(-1)
         k, v = self.k[layer].index_select(1, flat), self.v[layer].index_select(1, flat)
+        if self.quantized:
+            k, v = self._dequantize(k), self._dequantize(v)
         shape = (k.shape[0], *slots.shape, k.shape[-1])
         return k.view(shape), v.view(shape)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([n, kv_heads, head_dim]) at ``slots`` ([n])."""
-        self.k[layer].index_copy_(1, slots, k.transpose(0, 1).to(self.k[layer].dtype))
-        self.v[layer].index_copy_(1, slots, v.transpose(0, 1).to(self.v[layer].dtype))
+        for pool, x in ((self.k[layer], k), (self.v[layer], v)):
+            rows = x.transpose(0, 1)
+            if self.quantized:
+                values, scales = quantize_rows(rows.to(self.dtype))
+                rows = torch.cat([values, scales.unsqueeze(-1).view(torch.int8)], dim=-1)
+            pool.index_copy_(1, slots, rows.to(pool.dtype))
+
+    def _dequantize(self, rows: torch.Tensor) -> torch.Tensor:
+        """int8 records [..., head_dim + 4] as [..., head_dim] in ``dtype``."""
+        d = self.head_dim
+        scales = rows[..., d:].contiguous().view(torch.float32)  # [..., 1]
+        return (rows[..., :d].float() * scales).to(self.dtype)
 
     @staticmethod
-    def bytes_per_page(cfg: ModelConfig, page_size: int, kv_heads: int, dtype: torch.dtype) -> int:
-        return cfg.num_layers * 2 * page_size * kv_heads * cfg.head_dim * dtype.itemsize
+    def bytes_per_page(cfg: ModelConfig, page_size: int, kv_heads: int, dtype: torch.dtype,
+                       kv_dtype: torch.dtype | None = None) -> int:
+        row = cfg.head_dim + 4 if kv_dtype == torch.int8 else cfg.head_dim * dtype.itemsize
+        return cfg.num_layers * 2 * page_size * kv_heads * row
 
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] as int8 values [..., D] and float32 scales [...]: per row, ``inv = 127 /
+    max|x|`` (0 for a row of zeros), values ``round(x * inv)`` (half to even), scale ``max|x| *
+    (1 / 127)``, all in float32: the CPU kernels' store (cpu_layer.cpp) computes the same
+    bytes."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    c = torch.full_like(amax, 127.0)  # (a Python number over a tensor is a reciprocal times it)
+    inv = torch.where(amax > 0, c / amax, torch.zeros_like(amax))
+    values = torch.round(xf * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    # times 1/127 rounded to float32, not over 127: a C++ compiler with -ffast-math makes a
+    # division by a constant that product, and the two must write the same scale
+    return values, amax * torch.full_like(amax, 1 / 127)
 
 
 def _lazy_zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:

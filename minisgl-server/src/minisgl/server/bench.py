@@ -14,8 +14,8 @@ Workloads (``--scale`` multiplies every length, ``--num-requests`` the request c
   ``--cache naive`` (system ``minisgl-naive``), and HF (bench_prefix.py).
 
 * ``tp`` (not in ``all``): peak memory per rank and step time at TP=1 vs ``--tp`` (bench_tp.py).
-* ``quality`` (not in ``all``): int8 vs unquantized perplexity of a fixed text and greedy chat
-  answers side by side (bench_quality.py).
+* ``quality`` (not in ``all``): int8 (weights; or the KV pool, ``--kv-cache-dtype int8``) vs
+  unquantized perplexity of a fixed text and greedy chat answers side by side (bench_quality.py).
 * ``burst``: 16 requests x 64 tokens (128-token prompts) at once: output tokens / wall time.
 * ``online``: the HTTP server (``minisgl serve``, started with the engine flags, or ``--url``)
   under 1, 8 and 32 concurrent streaming clients; server over offline throughput, each level
@@ -1014,7 +1014,8 @@ def add_parser(sub: Any) -> None:
                    default="offline-mixed",
                    help="what to run (default offline-mixed); all = every workload but tp and "
                         "quality; tp = TP=1 vs TP=--tp memory and step time; quality = int8 "
-                        "vs unquantized perplexity and chat answers")
+                        "(weights, or the KV pool with --kv-cache-dtype int8) vs unquantized "
+                        "perplexity and chat answers")
     p.add_argument("--compare", default="none", metavar="PEERS",
                    help="comma-separated peers: hf (transformers generate, same prompts and "
                         "dtype), llama-cpp (llama-cpp-python, the bundled Q4_1 GGUF, one request "

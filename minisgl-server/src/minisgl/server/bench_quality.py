@@ -1,6 +1,8 @@
-"""``minisgl bench quality``: what weight-only int8 costs in accuracy, against the unquantized model.
+"""``minisgl bench quality``: what int8 costs in accuracy, against the unquantized model.
 
-Perplexity of a fixed text (by default this project's README and docs/architecture.md, found from
+What is compared: the engine flags given (``--quantization int8`` for weight-only int8,
+``--kv-cache-dtype int8`` for an int8 KV pool, or both), or int8 weights where neither is given,
+against bf16 weights and KV. Perplexity of a fixed text (by default this project's README and docs/architecture.md, found from
 the working directory; ``--text`` names other files), teacher-forced in 512-token windows, and the
 greedy answers (40 tokens) to a fixed set of chat prompts, side by side. The CPU-performance
 issue's bound: int8 perplexity within 2% of the unquantized model's (a test holds it too:
@@ -36,12 +38,22 @@ def read_text(paths: list[str] | None) -> tuple[str, list[str]]:
     return "\n\n".join(Path(p).read_text() for p in names), names
 
 
-def measure(args: argparse.Namespace, quantization: str | None, text: str) -> dict[str, Any]:
+def variant(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """The configuration measured against the unquantized one: its name and engine flags."""
+    kw = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
+    if kw == {"quantization": None, "kv_cache_dtype": "auto"}:
+        kw["quantization"] = "int8"
+    parts = [*(["int8 weights"] if kw["quantization"] else []),
+             *(["int8 KV"] if kw["kv_cache_dtype"] == "int8" else [])]
+    return " + ".join(parts), kw
+
+
+def measure(args: argparse.Namespace, flags: dict[str, Any], name: str, text: str
+            ) -> dict[str, Any]:
     from minisgl.core import LLM, SamplingParams
     from minisgl.server.bench import bench_engine_kwargs, settle_compile
 
-    kw = dict(bench_engine_kwargs(args), quantization=quantization)
-    name = quantization or "unquantized"
+    kw = {**bench_engine_kwargs(args), **flags}
     log(f"loading minisgl ({args.model}, {name})")
     with LLM(model=args.model, **kw) as llm:
         settle_compile(args, llm)
@@ -56,20 +68,21 @@ def measure(args: argparse.Namespace, quantization: str | None, text: str) -> di
 
 def cmd_quality(args: argparse.Namespace) -> int:
     text, names = read_text(args.text)
-    base = measure(args, None, text)
-    int8 = measure(args, "int8", text)
+    name, flags = variant(args)
+    base = measure(args, {"quantization": None, "kv_cache_dtype": "auto"}, "unquantized", text)
+    int8 = measure(args, flags, name, text)
     ratio = int8["perplexity"] / base["perplexity"]
     print(f"perplexity of {' + '.join(names)} ({base['tokens']:,} tokens, 512-token windows): "
-          f"unquantized {base['perplexity']:.3f}, int8 {int8['perplexity']:.3f} "
+          f"unquantized {base['perplexity']:.3f}, {name} {int8['perplexity']:.3f} "
           f"({ratio - 1:+.2%}; bound +2%)")
-    same = 0
+    same, width = 0, max(len(name), len("unquantized")) + 1
     for prompt, a, b in zip(PROMPTS, base["answers"], int8["answers"]):
         same += a == b
-        print(f"\n> {prompt}\n  unquantized: {a!r}\n  int8:        {b!r}")
+        print(f"\n> {prompt}\n  {'unquantized:':<{width}} {a!r}\n  {name + ':':<{width}} {b!r}")
     print(f"\n{same} of {len(PROMPTS)} answers identical")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"texts": names, "prompts": PROMPTS, "unquantized": base, "int8": int8,
-                       "perplexity_ratio": ratio}, f, indent=2)
+            json.dump({"texts": names, "prompts": PROMPTS, "variant": name, "unquantized": base,
+                       "int8": int8, "perplexity_ratio": ratio}, f, indent=2)
         log(f"wrote {args.json}")
     return 0

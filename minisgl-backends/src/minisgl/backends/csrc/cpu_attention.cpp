@@ -4,7 +4,8 @@
 //
 // Inputs: q [T, H, D] bf16 (the batch's new tokens, request after request); the KV pool k, v
 // [KVH, S, D] bf16 (minisgl.core.kvcache.KVPool, already holding the new tokens' K/V), read in
-// place; slots [B, Lk] int64 (row b: request b's pool slots in position order); kv_lens [B];
+// place, or in the AVX-512 build int8 [KVH, S, D + 4] (a row's D values, then its float32
+// scale: KVPool's int8 records, see load_block); slots [B, Lk] int64 (row b: request b's pool slots in position order); kv_lens [B];
 // q_start, q_lens [B] (request b's queries are rows q_start[b] ... of q, the last q_lens[b]
 // positions of its kv_lens[b]). Causal: query i of b (at position p = kv_lens[b] - q_lens[b] + i)
 // sees keys 0 .. p, or with a sliding window W > 0 only the last W of them, p - W + 1 .. p.
@@ -268,19 +269,49 @@ inline void pair_rows(const uint16_t* const* vrow, int64_t D, __m512i* vp) {
   }
 }
 
+// An int8 pool row (D values, then the row's float32 scale) as D bf16 values, value x scale
+// rounded as KVPool.read rounds it (to nearest even): int8 -> int32 -> float32, 16 at a time.
+inline void dequant_row(const uint16_t* row, int64_t D, uint16_t* out) {
+  const auto* x = reinterpret_cast<const int8_t*>(row);
+  float s;
+  std::memcpy(&s, x + D, sizeof(s));
+  const __m512 vs = _mm512_set1_ps(s);
+  auto widen = [&](int64_t c) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + c));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), vs);
+  };
+  for (int64_t c = 0; c < D; c += 32)
+    _mm512_storeu_si512(out + c, (__m512i)_mm512_cvtne2ps_pbh(widen(c + 16), widen(c)));
+}
+
 // The block of keys kb .. kb + 15 (fewer at k1) loaded for the products: K transposed (when kt
 // is given; the per-row steps' operand), kt[p] lane j = dims (2p, 2p+1) of key j; V in key pairs
 // (pair_rows); keys past the block's end as zeros. krow: the block's K rows (a row of zeros past
-// its end). Returns its keys.
+// its end). Returns its keys. Rows are Dr uint16 apart in the pool: D for bf16; for int8
+// records (D + 4) / 2, and `stage` is given: the block's K rows are widened into stage (16 rows
+// of D, consecutive: qk_lanes takes them at fixed offsets wherever the pool's rows lie) and
+// its V rows into a scratch row set, and the products run on them as on a bf16 pool. Half the
+// bytes to read for two conversions and a multiply per 16 values: decode attention, which
+// reads at the access pattern's limit, is where that pays (docs/benchmarks.md).
 inline int load_block(const uint16_t* kh, const uint16_t* vh, const int64_t* srow, int64_t kb,
                       int64_t k1, int64_t D, __m512i* kt, __m512i* vp,
-                      const uint16_t** krow = nullptr) {
+                      const uint16_t** krow = nullptr, int64_t Dr = 0,
+                      uint16_t* stage = nullptr) {
   static const uint16_t zeros[MAXD] = {};
   const int nk = static_cast<int>(std::min<int64_t>(KB, k1 - kb));
   const __m512i zero = _mm512_setzero_si512();
   const uint16_t* kr[KB];
   const uint16_t* vrow[KB];
-  block_rows(kh, vh, srow, kb, nk, k1, D, kr, vrow);
+  block_rows(kh, vh, srow, kb, nk, k1, Dr > 0 ? Dr : D, kr, vrow);
+  if (stage != nullptr) {
+    alignas(64) static thread_local uint16_t vstage[KB * MAXD];
+    for (int j = 0; j < nk; ++j) {
+      dequant_row(kr[j], D, stage + j * D);
+      dequant_row(vrow[j], D, vstage + j * D);
+      kr[j] = stage + j * D;
+      vrow[j] = vstage + j * D;
+    }
+  }
   if (krow != nullptr)
     for (int j = 0; j < KB; ++j) krow[j] = kr[j] ? kr[j] : zeros;
   for (int64_t c = 0; kt != nullptr && c < D / 32; ++c) {
@@ -462,8 +493,9 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
               const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
               int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
               int64_t S, int64_t G, int64_t D, float scale, int64_t window, float* O, float* m,
-              float* l, Ahead& ahead, bool lanes) {
+              float* l, Ahead& ahead, bool lanes, bool q8) {
   const int64_t R = it.nq * G, P = D / 2, Z = D / 16;
+  const int64_t Dr = q8 ? (D + 4) / 2 : D;  // a pool row's uint16 (see load_block)
   const float scale2 = scale * minisgl_vec::kLog2e;  // the lane rows' softmax is in base 2
   constexpr int MR = QB * 8;  // rows of an item at most
   struct Scratch {
@@ -475,11 +507,12 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     alignas(64) int32_t qt[MR / 16][MAXD / 2][16];  // lane groups' queries (qk_lanes)
     alignas(64) float ot[MAXD * 16];                 // a lane group's OT, copied at the end
     alignas(64) float lsum[MR][16];                  // per-row rows' sums of p, by lane
+    alignas(64) uint16_t kstage[kLaneSteps][KB * MAXD];  // a step's K, int8 pools (load_block)
     std::vector<const int32_t*> qrow;
     std::vector<int64_t> qoff, lim, low;
   };
   static thread_local Scratch scratch;
-  auto& [kt, vp, pb, pt, low32, lim32, qt, ot, lsum, qrow, qoff, lim, low] =
+  auto& [kt, vp, pb, pt, low32, lim32, qt, ot, lsum, kstage, qrow, qoff, lim, low] =
       *minisgl::opaque(&scratch);
   qrow.resize(R);
   qoff.resize(R);
@@ -507,8 +540,8 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
   }
   std::fill(O, O + std::max(R, (RL + 15) / 16 * 16) * D, 0.f);
   std::fill(&lsum[RL][0], &lsum[R][0], 0.f);
-  const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * D;
-  const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * D;
+  const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * Dr;
+  const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * Dr;
   const int64_t* srow = slots + it.b * Lk;
   const int64_t blocks = std::max<int64_t>(1, (it.k1 - it.k0 + KB - 1) / KB);  // (0 keys: none)
   const int64_t per = (ahead.k1 - ahead.j + blocks - 1) / blocks;
@@ -575,7 +608,7 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     for (int64_t kb = ks; kb < std::min(it.k1, ks + kLaneSteps * KB); kb += KB, ++nb) {
       __m512i* vb = vp + nb * (KB / 2) * Z;
       const int nk = nks[nb] = load_block(kh, vh, srow, kb, it.k1, D, RL < R ? kt : nullptr, vb,
-                                          krow[nb]);
+                                          krow[nb], Dr, q8 ? kstage[nb] : nullptr);
       ahead.keys(per);
       if (RL < R) row_block(kb, nk, vb);
     }
@@ -1362,7 +1395,7 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
               const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
               int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
               int64_t S, int64_t G, int64_t D, float scale, int64_t window, float* O, float* m,
-              float* l, Ahead& ahead, bool /*lanes: the AVX-512 build's*/) {
+              float* l, Ahead& ahead, bool /*lanes*/, bool /*q8: the AVX-512 build's*/) {
   if (it.nq == 1 && it.mn == 0) {  // one query: its rows see all of [k0, k1)
     run_decode(it, q, k, v, slots, Lk, qrow0, H, S, G, D, scale, O, m, l, ahead);
     return;
@@ -1490,6 +1523,7 @@ inline void write_row(const float* o, float inv, int64_t D, c10::BFloat16* out) 
 #endif  // the builds
 
 bool available() { return MINISGL_ATTN_ANY; }
+bool int8_kv() { return MINISGL_FAST; }  // whether paged_attention reads int8 pools
 
 // The leading slots two slot rows have in common, within their first n, in whole key blocks:
 // compared 256 slots at a time, then the first unequal span block by block (a slot at a time,
@@ -1525,11 +1559,14 @@ void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, int64_t Dq,
                     const at::Tensor& kv_lens, const at::Tensor& q_start,
                     const at::Tensor& q_lens, double scale, int64_t window, c10::BFloat16* op) {
   TORCH_CHECK(MINISGL_ATTN_ANY, "paged_attention needs AVX2 with FMA (or AVX512-BF16)");
+  const bool q8 = k.scalar_type() == at::kChar;
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() &&
-                  k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
-                  k.sizes() == v.sizes(), "k, v: contiguous bfloat16 [KVH, S, D] of one shape");
-  TORCH_CHECK(k.size(2) == Dq, "head_dim / pool shapes differ");
-  TORCH_CHECK(k.size(2) % 32 == 0 && k.size(2) <= 256, "head_dim must be a multiple of 32, <= 256");
+                  (k.scalar_type() == at::kBFloat16 || q8) &&
+                  v.scalar_type() == k.scalar_type() && k.sizes() == v.sizes(),
+              "k, v: contiguous bfloat16 [KVH, S, D] (or int8 [KVH, S, D + 4]) of one shape");
+  TORCH_CHECK(!q8 || MINISGL_FAST, "an int8 KV pool needs the AVX512-BF16 build");
+  TORCH_CHECK(k.size(2) == (q8 ? Dq + 4 : Dq), "head_dim / pool shapes differ");
+  TORCH_CHECK(Dq % 32 == 0 && Dq <= 256, "head_dim must be a multiple of 32, <= 256");
   TORCH_CHECK(H % k.size(0) == 0 && H / k.size(0) <= 8,
               "query heads must be 1-8 times the kv heads");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window), got ", window);
@@ -1540,7 +1577,8 @@ void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, int64_t Dq,
   TORCH_CHECK(slots.dim() == 2 && kv_lens.numel() == B && q_start.numel() == B && q_lens.numel() == B,
               "slots: [B, Lk]; kv_lens, q_start, q_lens: [B]");
 #if MINISGL_ATTN_ANY
-  const int64_t D = k.size(2), KVH = k.size(0), S = k.size(1), G = H / KVH;
+  const int64_t D = Dq, KVH = k.size(0), S = k.size(1), G = H / KVH;
+  const int64_t Dr = q8 ? (D + 4) / 2 : D;  // a pool row's uint16 (int8: D bytes and a scale)
   const int64_t Lk = slots.size(1);
   const int64_t* kl = kv_lens.data_ptr<int64_t>();
   const int64_t* qs = q_start.data_ptr<int64_t>();
@@ -1651,7 +1689,7 @@ void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, int64_t Dq,
   }
 #if MINISGL_ATTN_AMX
   Blocks blocks;  // prefill / extend on tiles: every key block loaded once (see Blocks)
-  const bool cached = max_q > 1 && window == 0 && minisgl::amx_usable();
+  const bool cached = max_q > 1 && window == 0 && !q8 && minisgl::amx_usable();
   if (cached) build_blocks(blocks, k, v, sp, Lk, kl, ql, B, G, KVH, D);
   const Blocks* bp = cached ? &blocks : nullptr;
 #endif
@@ -1659,8 +1697,9 @@ void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, int64_t Dq,
   // (every part is written before it is read)
   cs.kept.resize(parts * stride);
   float* const part = cs.kept.data();
-  const auto* kp = k.data_ptr<c10::BFloat16>();
-  const auto* vp = v.data_ptr<c10::BFloat16>();
+  // (an int8 pool's rows too: run_item reads them through uint16 pointers, see load_block)
+  const auto* kp = static_cast<const c10::BFloat16*>(k.const_data_ptr());
+  const auto* vp = static_cast<const c10::BFloat16*>(v.const_data_ptr());
   const float fscale = static_cast<float>(scale);
   // Threads claim runs of consecutive items of about equal work (keys x rows, and a block's
   // worth per item for its setup), 16 runs per thread, one atomic per run: each claim moves the
@@ -1698,9 +1737,9 @@ void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, int64_t Dq,
         const int64_t ni = i + 1 < run_end[run] ? i + 1 : after < n_runs ? run_end[after - 1] : -1;
         if (ni >= 0 && max_q == 1) {
           const Item& nx = items[ni];
-          ahead = {reinterpret_cast<const uint16_t*>(kp) + nx.h * S * D,
-                   reinterpret_cast<const uint16_t*>(vp) + nx.h * S * D, sp + nx.b * Lk, nx.k0,
-                   std::min(nx.k1, nx.k0 + kL2Ahead * KB), D};
+          ahead = {reinterpret_cast<const uint16_t*>(kp) + nx.h * S * Dr,
+                   reinterpret_cast<const uint16_t*>(vp) + nx.h * S * Dr, sp + nx.b * Lk, nx.k0,
+                   std::min(nx.k1, nx.k0 + kL2Ahead * KB), Dr};
         }
         const int64_t prefix = kl[it.b] - ql[it.b];
         float* Ob = O.data();
@@ -1714,13 +1753,13 @@ void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, int64_t Dq,
 #if MINISGL_ATTN_AMX
         // (O is the thread's [QB * G, D] buffer, room for the rows rounded up to 16, unless the
         // item is one request's split-K part; a shared-prefix item's parts are copied out after)
-        if (it.nq * G >= 16 && (it.part < 0 || it.mn > 0) && minisgl::amx_usable())
+        if (it.nq * G >= 16 && (it.part < 0 || it.mn > 0) && !q8 && minisgl::amx_usable())
           run_item_amx(it, qp, kp, vp, sp, Lk, prefix, qs[it.b], members.data(), qs, H, S, G, D,
                        fscale, window, Ob, mb, lb, bp);
         else
 #endif
           run_item(it, qp, kp, vp, sp, Lk, prefix, qs[it.b], members.data(), qs, H, S, G, D,
-                   fscale, window, Ob, mb, lb, ahead, it.part < 0 || it.mn > 0);
+                   fscale, window, Ob, mb, lb, ahead, it.part < 0 || it.mn > 0, q8);
         for (int64_t j = 0; j < it.mn; ++j) {  // a shared item's rows to its members' parts
           float* dst = part + (it.part + j) * stride;
           std::copy(mb + j * G, mb + (j + 1) * G, dst);
@@ -1806,6 +1845,7 @@ void minisgl::paged_attention_into(const c10::BFloat16* q, int64_t T, int64_t H,
 
 TORCH_LIBRARY(minisgl_cpu, m) {
   m.def("available() -> bool", &available);
+  m.def("int8_kv() -> bool", &int8_kv);
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor kv_lens, "
         "Tensor q_start, Tensor q_lens, float scale, int window=0) -> Tensor");
 }

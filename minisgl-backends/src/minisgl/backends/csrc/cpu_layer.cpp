@@ -6,7 +6,7 @@
 //
 //   r = x + residual (x alone in the first layer)        h = RMSNorm_in(r)
 //   q, k, v = h @ Wqkv.T (+ bias), RMSNorm per head of q and k (Qwen3's, where given),
-//   RoPE on q and k, k and v stored at out_loc
+//   RoPE on q and k, k and v stored at out_loc (as int8 records in an int8 pool)
 //   a = paged attention of q                              r2 = a @ Wo.T (+ bias) + r
 //   h2 = RMSNorm_post(r2), [g u] = h2 @ Wgu.T             y = (silu(g) * u) @ Wdown.T
 //
@@ -33,6 +33,7 @@
 #include <torch/library.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -197,6 +198,23 @@ void add_rms_norm(const bf16* x, const bf16* res, const bf16* w, double eps, int
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "decoder_layer: ", what); }
 
+// A row of D bf16 values as an int8 pool record (KVPool's int8 records): D values round(x *
+// inv), inv = 127 / max|x| (0 for a row of zeros), then the float32 scale max|x| x (1 / 127),
+// each step in float32 as minisgl.core.kvcache.quantize_rows computes it, so that both write
+// the same bytes (tested; -ffast-math would turn max|x| / 127 into that product anyway). Plain
+// loops: the compiler vectorizes them.
+void quantize_row(const bf16* x, int64_t D, int8_t* out) {
+  float v[256], amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) {
+    v[d] = static_cast<float>(x[d]);
+    amax = std::max(amax, std::fabs(v[d]));
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax * (1.f / 127.f);
+  for (int64_t d = 0; d < D; ++d)
+    out[d] = static_cast<int8_t>(std::clamp(std::nearbyint(v[d] * inv), -127.f, 127.f));
+  std::memcpy(out + D, &scale, sizeof(scale));
+}
+
 // decoder_layer's (y, r2), written to y and r2 [M, hidden]: these may be x's and residual's
 // memory (both are read, into scratch, before either is written), so that a run of layers
 // updates one pair in place instead of allocating two tensors per layer.
@@ -210,7 +228,10 @@ void layer_into(
     const at::Tensor& kv_lens, const at::Tensor& q_start, const at::Tensor& q_lens, double scale,
     double eps, int64_t heads, int64_t kv_heads, int64_t window, bf16* y, bf16* r2) {
   TORCH_CHECK(MINISGL_LAYER_ANY, "decoder_layer needs AVX2 with FMA (or AVX512-BF16)");
-  const int64_t M = x.size(0), H = x.size(1), D = k_pool.size(2), S = k_pool.size(1);
+  // an int8 pool: rows of D values and a float32 scale (see quantize_row)
+  const bool q8 = k_pool.scalar_type() == at::kChar;
+  const int64_t M = x.size(0), H = x.size(1), S = k_pool.size(1);
+  const int64_t D = q8 ? k_pool.size(2) - 4 : k_pool.size(2), row_bytes = k_pool.size(2) * (q8 ? 1 : 2);
   const int64_t NQ = heads * D, NKV = kv_heads * D, NQKV = NQ + 2 * NKV;
   check(weights.size() == 4 && (scales.empty() || scales.size() == 4),
         "weights: qkv, o, gate_up, down (packed); scales: none (bf16) or theirs (int8)");
@@ -231,8 +252,9 @@ void layer_into(
               t->scalar_type() == at::kBFloat16, "cos, sin: contiguous bf16 [M, head_dim]");
   check(k_pool.dim() == 3 && k_pool.size(0) == kv_heads && k_pool.sizes() == v_pool.sizes() &&
             k_pool.is_contiguous() && v_pool.is_contiguous() &&
-            k_pool.scalar_type() == at::kBFloat16 && v_pool.scalar_type() == at::kBFloat16,
-        "k_pool, v_pool: contiguous bf16 [kv_heads, slots, head_dim]");
+            (k_pool.scalar_type() == at::kBFloat16 || q8) &&
+            v_pool.scalar_type() == k_pool.scalar_type(),
+        "k_pool, v_pool: contiguous bf16 [kv_heads, slots, head_dim] (or int8 [.., head_dim + 4])");
   check(out_loc.numel() == M && out_loc.scalar_type() == at::kLong && out_loc.is_contiguous(),
         "out_loc: int64 [M]");
   const int64_t* loc = out_loc.const_data_ptr<int64_t>();
@@ -278,13 +300,14 @@ void layer_into(
   linear(0, h, H, qkv, NQKV);
   if (qkv_b != nullptr) add_bias(qkv, qkv_b, M, NQKV);
 
-  bf16* kp = k_pool.mutable_data_ptr<bf16>();
-  bf16* vp = v_pool.mutable_data_ptr<bf16>();
+  auto* kp = static_cast<char*>(k_pool.mutable_data_ptr());
+  auto* vp = static_cast<char*>(v_pool.mutable_data_ptr());
   each_row(M, [&](int64_t m) {
     const bf16* row = qkv + m * NQKV;
     const bf16* c = cos.const_data_ptr<bf16>() + m * D;
     const bf16* s = sin.const_data_ptr<bf16>() + m * D;
-    bf16 copy[256], normed[256];  // a head of q or k, and the head after its RMSNorm (Qwen3)
+    bf16 copy[256], normed[256], roped[256];  // a head of q or k, after its RMSNorm (Qwen3),
+                                              // k after RoPE (int8 pools)
     auto head = [&](const bf16* src, const bf16* w) {
       if (w == nullptr) return src;
       norm_row(src, nullptr, w, eps, D, copy, normed);
@@ -293,8 +316,17 @@ void layer_into(
     for (int64_t hd = 0; hd < heads; ++hd)
       rope(head(row + hd * D, qn), c, s, D, q + (m * heads + hd) * D);
     for (int64_t hd = 0; hd < kv_heads; ++hd) {
-      rope(head(row + NQ + hd * D, kn), c, s, D, kp + (hd * S + loc[m]) * D);
-      std::memcpy(vp + (hd * S + loc[m]) * D, row + NQ + NKV + hd * D, D * sizeof(bf16));
+      char* kdst = kp + (hd * S + loc[m]) * row_bytes;
+      char* vdst = vp + (hd * S + loc[m]) * row_bytes;
+      const bf16* vsrc = row + NQ + NKV + hd * D;
+      if (q8) {
+        rope(head(row + NQ + hd * D, kn), c, s, D, roped);
+        quantize_row(roped, D, reinterpret_cast<int8_t*>(kdst));
+        quantize_row(vsrc, D, reinterpret_cast<int8_t*>(vdst));
+      } else {
+        rope(head(row + NQ + hd * D, kn), c, s, D, reinterpret_cast<bf16*>(kdst));
+        std::memcpy(vdst, vsrc, D * sizeof(bf16));
+      }
     }
   });
 

@@ -39,12 +39,14 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
 def run_case(backend: str, *, page_size: int, num_heads: int, num_kv_heads: int,
              prefix_lens: list[int], new_lens: list[int], phase: str, head_dim: int = 16,
              dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
-             atol: float = 2e-5, window: int = 0) -> None:
+             atol: float = 2e-5, window: int = 0, kv_dtype: torch.dtype | None = None) -> None:
     """One batch: requests with ``prefix_lens`` tokens already cached and ``new_lens`` new ones.
 
     Checks the output against :func:`reference_attention` and that the new K/V landed in the
     request's slots; raises AssertionError otherwise. ``window`` > 0: the layer has a sliding
-    window (for a backend with ``supports_sliding_window``).
+    window (for a backend with ``supports_sliding_window``). ``kv_dtype=torch.int8``: an int8
+    pool; the reference then attends over the K/V as the pool holds them (each within half a
+    quantization step of what was written, checked).
     """
     gen = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
@@ -52,7 +54,7 @@ def run_case(backend: str, *, page_size: int, num_heads: int, num_kv_heads: int,
     totals = [p + n for p, n in zip(prefix_lens, new_lens)]
     pages_per_req = [-(-t // page_size) for t in totals]
     num_pages = sum(pages_per_req) + 3
-    pool = KVPool(1, num_pages, page_size, num_kv_heads, head_dim, dtype, dev)
+    pool = KVPool(1, num_pages, page_size, num_kv_heads, head_dim, dtype, dev, kv_dtype)
     table = ReqToTokenTable(len(totals) + 2, max(pages_per_req) * page_size + page_size, dev)
     free_pages = list(range(1, num_pages))
     rnd.shuffle(free_pages)  # requests' pages are scattered, not contiguous
@@ -85,6 +87,18 @@ def run_case(backend: str, *, page_size: int, num_heads: int, num_kv_heads: int,
     new_v = torch.cat([v[p:] for v, p in zip(seqs_v, prefix_lens)])
     out = impl.forward(q, new_k, new_v, 0, meta)
     assert out.shape == (sum(new_lens), num_heads * head_dim), f"output shape {tuple(out.shape)}"
+    if pool.quantized:  # what the pool holds, each value within half a step of what was written
+        held = [pool.read(0, table.table[row, :total]) for row, total in zip(rows, totals)]
+        for (hk, hv), k, v in zip(held, seqs_k, seqs_v):
+            for got, want in ((hk.transpose(0, 1), k), (hv.transpose(0, 1), v)):
+                step = want.float().abs().amax(-1, keepdim=True) / 127
+                gap = (got.float() - want.float()).abs()  # bf16 rounds value x scale after
+                assert (gap <= step / 2 + want.float().abs() / 256 + 1e-30).all(), \
+                    "an int8 pool holds K/V further than half a step from what was written"
+        seqs_k = [hk.transpose(0, 1) for hk, _ in held]
+        seqs_v = [hv.transpose(0, 1) for _, hv in held]
+        new_k = torch.cat([k[p:] for k, p in zip(seqs_k, prefix_lens)])
+        new_v = torch.cat([v[p:] for v, p in zip(seqs_v, prefix_lens)])
     start = 0
     for i, n in enumerate(new_lens):
         ref = reference_attention(q[start:start + n].cpu(), seqs_k[i].cpu(), seqs_v[i].cpu(),
