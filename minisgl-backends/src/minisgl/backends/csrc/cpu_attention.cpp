@@ -52,7 +52,8 @@
 
 // Two builds of the per-item kernel (run_item, write_row): AVX512-BF16, or AVX2 with FMA
 // (float32 arithmetic, below); the work items, split-K and the merge are shared.
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__AVX512VNNI__)
 #define MINISGL_FAST 1
 #define MINISGL_ATTN_AVX2 0
 #include <immintrin.h>
@@ -127,11 +128,21 @@ __attribute__((always_inline)) inline void prefetch_row(const uint16_t* row, int
   for (int64_t off = 0; off < D; off += 32) __builtin_prefetch(row + off, 0, Locality);
 }
 
-// ... the K and V rows of keys [j0, j1) (their slots in srow).
+// ... the K and V rows of keys [j0, j1) (their slots in srow). runs: where the keys' slots are
+// consecutive, the rows' span at once, a line at a time: an int8 pool's rows (D + 4 bytes, two
+// lines' prefetches each) lie ~2 to a line pair, and a row at a time asked for lines twice
+// (decode over int8 pools, 30 layers: in cache 8 x 450 keys 72-82 -> 65-66 us per layer, from
+// DRAM 32 x 450 9.75 -> 8.38 ms per step; for bf16 rows, a line each anyway, 0.98-1.01x).
 template <int Locality>
 __attribute__((always_inline)) inline void prefetch_rows(const uint16_t* kh, const uint16_t* vh,
                                                          const int64_t* srow, int64_t j0,
-                                                         int64_t j1, int64_t D) {
+                                                         int64_t j1, int64_t D,
+                                                         bool runs = false) {
+  if (runs && j1 > j0 && srow[j1 - 1] - srow[j0] == j1 - j0 - 1) {
+    prefetch_row<Locality>(kh + srow[j0] * D, (j1 - j0) * D);
+    prefetch_row<Locality>(vh + srow[j0] * D, (j1 - j0) * D);
+    return;
+  }
   for (int64_t j = j0; j < j1; ++j) {
     prefetch_row<Locality>(kh + srow[j] * D, D);
     prefetch_row<Locality>(vh + srow[j] * D, D);
@@ -159,10 +170,12 @@ inline void row_ptrs(const uint16_t* kh, const uint16_t* vh, const int64_t* srow
 constexpr int kL1Ahead = 3, kL2Ahead = 5;
 inline void block_rows(const uint16_t* kh, const uint16_t* vh, const int64_t* srow, int64_t kb,
                        int nk, int64_t k1, int64_t D, const uint16_t** krow,
-                       const uint16_t** vrow) {
+                       const uint16_t** vrow, bool runs = false) {
   row_ptrs(kh, vh, srow, kb, nk, D, krow, vrow);
-  prefetch_rows<3>(kh, vh, srow, kb + kL1Ahead * KB, std::min(kb + (kL1Ahead + 1) * KB, k1), D);
-  prefetch_rows<1>(kh, vh, srow, kb + kL2Ahead * KB, std::min(kb + (kL2Ahead + 1) * KB, k1), D);
+  prefetch_rows<3>(kh, vh, srow, kb + kL1Ahead * KB, std::min(kb + (kL1Ahead + 1) * KB, k1), D,
+                   runs);
+  prefetch_rows<1>(kh, vh, srow, kb + kL2Ahead * KB, std::min(kb + (kL2Ahead + 1) * KB, k1), D,
+                   runs);
 }
 
 // The first keys of the item a thread runs next (its first kL2Ahead blocks): their K and V rows
@@ -176,9 +189,10 @@ struct Ahead {
   const uint16_t *kh = nullptr, *vh = nullptr;
   const int64_t* srow = nullptr;
   int64_t j = 0, k1 = 0, D = 0;
+  bool runs = false;  // (prefetch_rows)
   void keys(int64_t n) {  // the next n keys' rows
     const int64_t e = std::min(k1, j + n);
-    prefetch_rows<1>(kh, vh, srow, j, e, D);
+    prefetch_rows<1>(kh, vh, srow, j, e, D, runs);
     j = e;
   }
 };
@@ -254,18 +268,92 @@ inline void qk_dispatch(int nr, const int32_t* const* q, const __m512i* kt, int6
   }
 }
 
+// Scores of NR rows against one key block of an int8 pool as integers: out[r] lane j = q_r .
+// k_j, q_r the row's query quantized to int16 (q2[r][p]: dims 2p, 2p + 1), k_j's int8 values
+// as load_k16 left them (kt, P = D / 2 pairs), by vpdpwssd (as many products per instruction as
+// vdpbf16ps; |sums| < D x 127 x 32767 < 2^31). Chains as in qk_rows.
+template <int NR>
+inline void qk16_rows(const int32_t* const* q2, const __m512i* kt, int64_t P, __m512i* out) {
+  constexpr int U = NR <= 4 ? 4 : NR <= 8 ? 2 : 1;
+  __m512i acc[NR][U];
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_si512();
+  for (int64_t p = 0; p < P; p += U)
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < NR; ++r)
+        acc[r][u] = _mm512_dpwssd_epi32(acc[r][u], _mm512_set1_epi32(q2[r][p + u]), kt[p + u]);
+  for (int r = 0; r < NR; ++r) {
+    __m512i t = acc[r][0];
+    for (int u = 1; u < U; ++u) t = _mm512_add_epi32(t, acc[r][u]);
+    out[r] = t;
+  }
+}
+
+inline void qk16_dispatch(int nr, const int32_t* const* q2, const __m512i* kt, int64_t P,
+                          __m512i* out) {
+  switch (nr) {
+#define MINISGL_CASE(n) \
+  case n:               \
+    return qk16_rows<n>(q2, kt, P, out);
+    MINISGL_CASE(1) MINISGL_CASE(2) MINISGL_CASE(3) MINISGL_CASE(4) MINISGL_CASE(5)
+    MINISGL_CASE(6) MINISGL_CASE(7) MINISGL_CASE(8) MINISGL_CASE(9) MINISGL_CASE(10)
+    MINISGL_CASE(11) MINISGL_CASE(12) MINISGL_CASE(13) MINISGL_CASE(14) MINISGL_CASE(15)
+    MINISGL_CASE(16)
+#undef MINISGL_CASE
+  }
+}
+
+// A query row (D bf16) as int16 pairs for qk16_rows, round(q x 32767 / max|q|) (relative error
+// 2^-16 of the row's largest value, finer than its bf16 values), and the scale max|q| / 32767.
+inline void quantize_query(const c10::BFloat16* q, int64_t D, int32_t* q2, float& scale) {
+  auto load = [&](int64_t d) {  // 16 bf16 as float32
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + d));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  };
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load(d)));
+  const float mx = _mm512_reduce_max_ps(amax);
+  scale = mx / 32767.f;
+  const __m512 inv = _mm512_set1_ps(mx > 0.f ? 32767.f / mx : 0.f);
+  for (int64_t d = 0; d < D; d += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<int16_t*>(q2) + d),
+                        _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(load(d), inv))));
+}
+
 // V rows of a block in key pairs: vp[jp * (D / 16) + z] holds (v_2jp, v_2jp+1) interleaved for
 // 16 dims (null rows, past the block's end, as zeros).
+// q8: the rows are an int8 pool's; their values (integers, exact in bf16) are widened, their
+// scales left to the caller (folded into P: run_item).
+template <bool q8 = false>
 inline void pair_rows(const uint16_t* const* vrow, int64_t D, __m512i* vp) {
   const int64_t Z = D / 16;
   const __m512i zero = _mm512_setzero_si512();
+  auto chunk = [&](const uint16_t* row, int64_t c) {  // dims 32c .. 32c + 31 as bf16
+    if (row == nullptr) return zero;
+    if constexpr (!q8) {
+      return _mm512_loadu_si512(row + c * 32);
+    } else {
+      const auto* x = reinterpret_cast<const __m128i*>(reinterpret_cast<const int8_t*>(row) + c * 32);
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(x)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(x + 1)));
+      return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    }
+  };
   for (int jp = 0; jp < KB / 2; ++jp) {
     for (int64_t c = 0; c < D / 32; ++c) {
-      __m512i a = vrow[2 * jp] ? _mm512_loadu_si512(vrow[2 * jp] + c * 32) : zero;
-      __m512i b = vrow[2 * jp + 1] ? _mm512_loadu_si512(vrow[2 * jp + 1] + c * 32) : zero;
+      const __m512i a = chunk(vrow[2 * jp], c), b = chunk(vrow[2 * jp + 1], c);
       vp[jp * Z + 2 * c] = _mm512_unpacklo_epi16(a, b);
       vp[jp * Z + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
     }
+  }
+}
+
+// The scales of an int8 pool's rows (D values, then a float32): out[j], 0 for null rows.
+inline void row_scales(const uint16_t* const* rows, int64_t D, float* out) {
+  for (int j = 0; j < KB; ++j) {
+    out[j] = 0.f;
+    if (rows[j] != nullptr)
+      std::memcpy(&out[j], reinterpret_cast<const char*>(rows[j]) + D, sizeof(float));
   }
 }
 
@@ -284,36 +372,55 @@ inline void dequant_row(const uint16_t* row, int64_t D, uint16_t* out) {
     _mm512_storeu_si512(out + c, (__m512i)_mm512_cvtne2ps_pbh(widen(c + 16), widen(c)));
 }
 
+// The block's K for the per-row rows from an int8 pool: its rows' int8 values widened to int16
+// and transposed as kt is for bf16 (kt[p] lane j = dims (2p, 2p + 1) of key j, an int16 pair;
+// rows past nk as zeros), and the keys' scales ks[j] (0 past nk).
+inline void load_k16(const uint16_t* const* kr, int nk, int64_t D, __m512i* kt, float* ks) {
+  for (int64_t c = 0; c < D / 32; ++c) {
+    __m512i* t = kt + c * 16;
+    for (int j = 0; j < KB; ++j)
+      t[j] = j < nk ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                          reinterpret_cast<const char*>(kr[j]) + c * 32)))
+                    : _mm512_setzero_si512();
+    transpose16(t);
+  }
+  row_scales(kr, D, ks);
+}
+
 // The block of keys kb .. kb + 15 (fewer at k1) loaded for the products: K transposed (when kt
 // is given; the per-row steps' operand), kt[p] lane j = dims (2p, 2p+1) of key j; V in key pairs
 // (pair_rows); keys past the block's end as zeros. krow: the block's K rows (a row of zeros past
-// its end). Returns its keys. Rows are Dr uint16 apart in the pool: D for bf16; for int8
-// records (D + 4) / 2, and `stage` is given: the block's K rows are widened into stage (16 rows
-// of D, consecutive: qk_lanes takes them at fixed offsets wherever the pool's rows lie) and
-// its V rows into a scratch row set, and the products run on them as on a bf16 pool. Half the
-// bytes to read for two conversions and a multiply per 16 values: decode attention, which
-// reads at the access pattern's limit, is where that pays (docs/benchmarks.md).
+// its end). Returns its keys.
+//
+// An int8 pool (q8; rows Dr = (D + 4) / 2 uint16 apart, D values then a float32 scale): V's
+// values are paired as they are (integers, exact in bf16) and vs gets the rows' scales (P
+// takes them: run_item); for the per-row rows kt is load_k16's int16 operand (scores by
+// vpdpwssd against int16 queries, scaled after) and ks the keys' scales; for lane groups, K rows
+// are widened to bf16 (value x scale) into kstage (given where the item has lane groups: 16
+// rows of D, consecutive, which qk_lanes takes at fixed offsets wherever the pool's rows lie)
+// and krow points there.
 inline int load_block(const uint16_t* kh, const uint16_t* vh, const int64_t* srow, int64_t kb,
                       int64_t k1, int64_t D, __m512i* kt, __m512i* vp,
-                      const uint16_t** krow = nullptr, int64_t Dr = 0,
-                      uint16_t* stage = nullptr) {
+                      const uint16_t** krow = nullptr, bool q8 = false,
+                      uint16_t* kstage = nullptr, float* ks = nullptr, float* vs = nullptr) {
   static const uint16_t zeros[MAXD] = {};
   const int nk = static_cast<int>(std::min<int64_t>(KB, k1 - kb));
   const __m512i zero = _mm512_setzero_si512();
   const uint16_t* kr[KB];
   const uint16_t* vrow[KB];
-  block_rows(kh, vh, srow, kb, nk, k1, Dr > 0 ? Dr : D, kr, vrow);
-  if (stage != nullptr) {
-    alignas(64) static thread_local uint16_t vstage[KB * MAXD];
-    for (int j = 0; j < nk; ++j) {
-      dequant_row(kr[j], D, stage + j * D);
-      dequant_row(vrow[j], D, vstage + j * D);
-      kr[j] = stage + j * D;
-      vrow[j] = vstage + j * D;
+  block_rows(kh, vh, srow, kb, nk, k1, q8 ? (D + 4) / 2 : D, kr, vrow, q8);
+  if (q8) {
+    pair_rows<true>(vrow, D, vp);
+    row_scales(vrow, D, vs);
+    if (kt != nullptr) load_k16(kr, nk, D, kt, ks);
+    for (int j = 0; j < KB; ++j) {
+      if (kstage != nullptr && j < nk) dequant_row(kr[j], D, kstage + j * D);
+      kr[j] = kstage != nullptr && j < nk ? kstage + j * D : nullptr;
     }
   }
   if (krow != nullptr)
     for (int j = 0; j < KB; ++j) krow[j] = kr[j] ? kr[j] : zeros;
+  if (q8) return nk;
   for (int64_t c = 0; kt != nullptr && c < D / 32; ++c) {
     __m512i* t = kt + c * 16;
     for (int j = 0; j < KB; ++j) t[j] = kr[j] ? _mm512_loadu_si512(kr[j] + c * 32) : zero;
@@ -350,11 +457,12 @@ constexpr int kLaneSteps = 4;     // key blocks per lane_pv call (run_item)
 // lane_pv; where a row's reference max moves (below), its lane of OT (O transposed, D vectors)
 // is rescaled, after `flush()` has added the P V that waits (P against the old reference). In
 // base 2, as on tiles: scale2 = scale x log2 e, m in those units (run_item turns a lane row's m
-// back into natural units at the end), p = 2^(y - m) by exp2_16's 5 ops.
+// back into natural units at the end), p = 2^(y - m) by exp2_16's 5 ops. vs (an int8 pool's
+// V scales, else null): pt holds p x vs[j] for key j, the sums p alone.
 template <typename Flush>
 inline void lane_softmax(__m512* st, int nk, int64_t kb, const int32_t* low, const int32_t* lim,
                          bool all_see, __mmask16 act, float scale2, float* m, float* l, float* OT,
-                         int64_t D, __m512i* pt, Flush&& flush) {
+                         int64_t D, __m512i* pt, const float* vs, Flush&& flush) {
   const __m512 neg_inf = _mm512_set1_ps(NEG_INF);
   const __m512i lowv = _mm512_loadu_si512(low), limv = _mm512_loadu_si512(lim);
   const __m512 old = _mm512_mask_loadu_ps(neg_inf, act, m), vscale = _mm512_set1_ps(scale2);
@@ -399,6 +507,10 @@ inline void lane_softmax(__m512* st, int nk, int64_t kb, const int32_t* low, con
         pairs, (__m512i)_mm512_cvtne2ps_pbh(st[2 * jp + 1], st[2 * jp]));
     sums[jp % 2] = _mm512_dpbf16_ps(sums[jp % 2], (__m512bh)pt[jp], ones);
   }
+  for (int jp = 0; vs != nullptr && jp < KB / 2; ++jp)
+    pt[jp] = _mm512_permutexvar_epi16(
+        pairs, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(st[2 * jp + 1], _mm512_set1_ps(vs[2 * jp + 1])),
+                                            _mm512_mul_ps(st[2 * jp], _mm512_set1_ps(vs[2 * jp]))));
   const __m512 sum = _mm512_add_ps(sums[0], sums[1]);
   _mm512_mask_storeu_ps(m, act, ref);
   if (up) {  // 2^(old - ref) where the reference moved (l and OT are 0 on a row's first keys)
@@ -507,13 +619,19 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     alignas(64) int32_t qt[MR / 16][MAXD / 2][16];  // lane groups' queries (qk_lanes)
     alignas(64) float ot[MAXD * 16];                 // a lane group's OT, copied at the end
     alignas(64) float lsum[MR][16];                  // per-row rows' sums of p, by lane
-    alignas(64) uint16_t kstage[kLaneSteps][KB * MAXD];  // a step's K, int8 pools (load_block)
+    // int8 pools (load_block): a step's K widened for the lane groups; the per-row rows' queries
+    // as int16 pairs and their scales (quantize_query); a block's key scales
+    alignas(64) uint16_t kstage[kLaneSteps][KB * MAXD];
+    alignas(64) int32_t q2[MR][MAXD / 2];
+    alignas(64) float kscale[KB], vscale[kLaneSteps][KB];
+    float qscale[MR];
+    const int32_t* q2row[MR];
     std::vector<const int32_t*> qrow;
     std::vector<int64_t> qoff, lim, low;
   };
   static thread_local Scratch scratch;
-  auto& [kt, vp, pb, pt, low32, lim32, qt, ot, lsum, kstage, qrow, qoff, lim, low] =
-      *minisgl::opaque(&scratch);
+  auto& [kt, vp, pb, pt, low32, lim32, qt, ot, lsum, kstage, q2, kscale, vscale, qscale, q2row,
+         qrow, qoff, lim, low] = *minisgl::opaque(&scratch);
   qrow.resize(R);
   qoff.resize(R);
   lim.resize(R);
@@ -540,6 +658,10 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
   }
   std::fill(O, O + std::max(R, (RL + 15) / 16 * 16) * D, 0.f);
   std::fill(&lsum[RL][0], &lsum[R][0], 0.f);
+  for (int64_t r = RL; q8 && r < R; ++r) {
+    quantize_query(q + qoff[r], D, q2[r], qscale[r]);
+    q2row[r] = q2[r];
+  }
   const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * Dr;
   const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * Dr;
   const int64_t* srow = slots + it.b * Lk;
@@ -547,11 +669,20 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
   const int64_t per = (ahead.k1 - ahead.j + blocks - 1) / blocks;
   // One key block for the per-row rows [RL, R), 16 at a time: its K transposed in kt, its V in
   // key pairs at vb.
-  auto row_block = [&](int64_t kb, int nk, const __m512i* vb) {
+  auto row_block = [&](int64_t kb, int nk, const __m512i* vb, const float* vs) {
     for (int64_t r0 = RL; r0 < R; r0 += 16) {
       const int nr = static_cast<int>(std::min<int64_t>(16, R - r0));
       __m512 s[16];
-      qk_dispatch(nr, qrow.data() + r0, kt, P, s);
+      if (q8) {  // integer sums times both scales
+        __m512i si[16];
+        qk16_dispatch(nr, q2row + r0, kt, P, si);
+        const __m512 kv = _mm512_load_ps(kscale);
+        for (int rr = 0; rr < nr; ++rr)
+          s[rr] = _mm512_mul_ps(_mm512_cvtepi32_ps(si[rr]),
+                                _mm512_mul_ps(kv, _mm512_set1_ps(qscale[r0 + rr])));
+      } else {
+        qk_dispatch(nr, qrow.data() + r0, kt, P, s);
+      }
       for (int rr = 0; rr < nr; ++rr) {
         const int64_t r = r0 + rr;
         int64_t hidden, visible;
@@ -579,7 +710,8 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
         const __m512 p =
             _mm512_maskz_mov_ps(mask, exp2_16(_mm512_sub_ps(y, _mm512_set1_ps(m[r]))));
         _mm512_store_ps(lsum[r], _mm512_add_ps(_mm512_load_ps(lsum[r]), p));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(p));
+        const __m512 pv = q8 ? _mm512_mul_ps(p, _mm512_load_ps(vs)) : p;  // V's scales (int8)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(pv));
       }
     }
     // O += P V for the per-row rows, one 16-dim slice at a time with its 8 key-pair vectors in
@@ -608,9 +740,10 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     for (int64_t kb = ks; kb < std::min(it.k1, ks + kLaneSteps * KB); kb += KB, ++nb) {
       __m512i* vb = vp + nb * (KB / 2) * Z;
       const int nk = nks[nb] = load_block(kh, vh, srow, kb, it.k1, D, RL < R ? kt : nullptr, vb,
-                                          krow[nb], Dr, q8 ? kstage[nb] : nullptr);
+                                          krow[nb], q8, RL > 0 ? kstage[nb] : nullptr, kscale,
+                                          vscale[nb]);
       ahead.keys(per);
-      if (RL < R) row_block(kb, nk, vb);
+      if (RL < R) row_block(kb, nk, vb, vscale[nb]);
     }
     for (int64_t r0 = 0; r0 < RL; r0 += 16) {
       const int64_t g = r0 / 16;
@@ -624,7 +757,7 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
         lane_softmax(s, nks[b], kb, low32 + r0, lim32 + r0,
                      see_from[g] <= kb && see_to[g] >= kb + nks[b],
                      static_cast<__mmask16>((1u << nr) - 1), scale2, m + r0, l + r0, OT, D,
-                     pt + b * (KB / 2), [&] {
+                     pt + b * (KB / 2), q8 ? vscale[b] : nullptr, [&] {
                        if (b > done)
                          lane_pv(pt + done * (KB / 2), vp + done * (KB / 2) * Z, D, OT,
                                  (b - done) * (KB / 2));
@@ -1739,7 +1872,7 @@ void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, int64_t Dq,
           const Item& nx = items[ni];
           ahead = {reinterpret_cast<const uint16_t*>(kp) + nx.h * S * Dr,
                    reinterpret_cast<const uint16_t*>(vp) + nx.h * S * Dr, sp + nx.b * Lk, nx.k0,
-                   std::min(nx.k1, nx.k0 + kL2Ahead * KB), Dr};
+                   std::min(nx.k1, nx.k0 + kL2Ahead * KB), Dr, q8};
         }
         const int64_t prefix = kl[it.b] - ql[it.b];
         float* Ob = O.data();
