@@ -280,6 +280,27 @@ def test_overlap_scheduling_at_tp2(tiny_dirs: dict[str, Path]) -> None:
         close_cleanly(llm)
 
 
+def test_int8_kv_pool_at_tp2_matches_tp1(tiny_dirs: dict[str, Path]) -> None:
+    """kv_cache_dtype="int8" at TP=2: each rank quantizes its own KV heads' rows, as one rank
+    quantizes all of them: TP=1's greedy tokens, log-probs within float32 noise."""
+    path = tiny_dirs["llama-gqa-untied-llama3"]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref_llm = tp_llm(path, 1, kv_cache_dtype="int8")
+    try:
+        ref = ref_llm.generate(PROMPTS, sp)
+    finally:
+        ref_llm.close()
+    llm = tp_llm(path, 2, kv_cache_dtype="int8")
+    try:
+        assert llm.engine.kv.quantized
+        for out, r in zip(llm.generate(PROMPTS, sp), ref):
+            assert out.token_ids == r.token_ids
+            assert max(abs(a - b) for a, b in zip(out.logprobs, r.logprobs)) <= 1e-3
+        assert_all_free(llm.engine, llm.scheduler)
+    finally:
+        close_cleanly(llm)
+
+
 def test_compiled_steps_at_tp2_match_tp1_and_hf(tiny_dirs: dict[str, Path]) -> None:
     """compile='wait' at TP=2: each rank compiles its decode graphs alone (collectives act as if
     alone on the dummy warm-up step), then steps run on the graphs with the real collectives

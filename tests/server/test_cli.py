@@ -36,6 +36,17 @@ def test_generate_chat_on_bundled_model(smollm2_path: str) -> None:
     assert "stop]" in res.stdout  # the answer ends on the chat end-of-turn token
 
 
+@pytest.mark.slow
+def test_generate_on_an_int8_kv_pool(smollm2_path: str) -> None:
+    res = minisgl("generate", "--chat", "--kv-cache-dtype", "int8", "--max-tokens", "20",
+                  "Tell me the capital of France.")
+    assert res.returncode == 0, res.stderr
+    assert "Paris" in res.stdout
+    bad = minisgl("generate", "--kv-cache-dtype", "fp8", "hi")
+    assert bad.returncode == 2 and "--kv-cache-dtype" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 def test_generate_compiles_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     """A one-shot ``minisgl generate`` runs eager unless --compile or $MINISGL_COMPILE asks
     (its compile worker cost a 64-token answer ~2 s); serve keeps the engine's default."""
@@ -86,6 +97,9 @@ def test_engine_flags_round_trip_threads() -> None:
     assert engine_kwargs(fixed)["adapt_threads"] is False
     assert engine_kwargs(p.parse_args(engine_flags(fixed)))["adapt_threads"] is False
     assert engine_kwargs(p.parse_args([]))["adapt_threads"] is True
+    kv8 = p.parse_args(["--kv-cache-dtype", "int8"])
+    assert engine_kwargs(p.parse_args(engine_flags(kv8)))["kv_cache_dtype"] == "int8"
+    assert engine_kwargs(p.parse_args([]))["kv_cache_dtype"] == "auto"
 
 
 def test_bench_runs_on_a_checkpoint_without_a_tokenizer(tmp_path: os.PathLike[str]) -> None:
