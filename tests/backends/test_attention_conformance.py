@@ -71,12 +71,19 @@ def test_sliding_window(attention_backend: str, dtype: torch.dtype, page_size: i
     ("prefill", [16, 3, 70, 0], [5, 30, 1, 9]),
     ("decode", [0, 1, 15, 16, 100, 63, 300], [1] * 7),
 ])
+@pytest.mark.parametrize("window", [0, 12])
 def test_int8_kv_pool(attention_backend: str, dtype: torch.dtype, page_size: int, phase: str,
-                      prefix_lens: list[int], new_lens: list[int]) -> None:
-    """An int8 pool (kv_cache_dtype="int8"): attention over the K/V as the pool holds them."""
+                      prefix_lens: list[int], new_lens: list[int], window: int) -> None:
+    """An int8 pool (kv_cache_dtype="int8"): attention over the K/V as the pool holds them,
+    with and without a sliding window."""
+    from minisgl.core.plugins import get_plugin_manager
+
+    backend = get_plugin_manager().attention_backends.get(attention_backend)
+    if not backend.supports_int8_kv or (window and not backend.supports_sliding_window):
+        pytest.skip(f"{attention_backend} reads no int8 pool or has no sliding windows")
     run_case(attention_backend, page_size=page_size, num_heads=9, num_kv_heads=3, head_dim=64,
              prefix_lens=prefix_lens, new_lens=new_lens, phase=phase, dtype=dtype,
-             atol=2e-5 if dtype == torch.float32 else 3e-2, kv_dtype=torch.int8)
+             atol=2e-5 if dtype == torch.float32 else 3e-2, kv_dtype=torch.int8, window=window)
 
 
 def test_reference_is_not_trivial() -> None:

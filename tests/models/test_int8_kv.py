@@ -136,9 +136,15 @@ def test_memory_budget_holds_more_tokens(smollm2_path: str) -> None:
     assert 1.85 < pages["int8"] / pages["auto"] < 1.9
 
 
-def test_bad_kv_cache_dtype_is_refused() -> None:
+def test_bad_kv_cache_dtype_is_refused(tiny_dirs: dict[str, Path],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM("smollm2", kv_cache_dtype="fp8")
+    from minisgl.backends.torch_native import TorchNativeBackend
+
+    monkeypatch.setattr(TorchNativeBackend, "supports_int8_kv", False)  # a backend without
+    with pytest.raises(ValueError, match="supports_int8_kv"):
+        LLM(str(tiny_dirs["qwen3-tied"]), dtype="float32", kv_cache_dtype="int8", num_pages=16)
     with pytest.raises(ValueError, match="kv_dtype"):
         KVPool(1, 4, 4, 1, 32, torch.bfloat16, torch.device("cpu"), torch.float16)
 

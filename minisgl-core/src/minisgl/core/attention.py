@@ -38,6 +38,10 @@ class AttentionBackend(abc.ABC):
     #: Whether ``forward`` honours ``windows``. For a model with sliding-window layers, an
     #: engine whose backend does not caps every context at the window instead.
     supports_sliding_window: bool = False
+    #: Whether ``forward`` reads an int8 pool (``kv.quantized``: rows of int8 values and a
+    #: float32 scale, ``KVPool.read``/``write`` convert). An engine asked for an int8 pool
+    #: (``kv_cache_dtype="int8"``) with a backend that does not refuses to start.
+    supports_int8_kv: bool = False
 
     def __init__(self, kv: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float, device: torch.device) -> None:

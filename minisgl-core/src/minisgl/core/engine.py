@@ -104,6 +104,9 @@ class Engine:
         self.model.eval()
 
         backend_cls = pm.attention_backends.get(config.attention_backend)
+        if config.kv_cache_dtype == "int8" and not backend_cls.supports_int8_kv:
+            raise ValueError(f"kv_cache_dtype: attention backend {config.attention_backend!r} "
+                             "does not read an int8 KV pool (supports_int8_kv)")
         limit = mc.max_position_embeddings
         window = mc.sliding_window or limit
         windowed = window < limit
