@@ -56,7 +56,7 @@ HAS_AMX = HAS_AVX512_BF16 and {"amx_tile", "amx_bf16", "amx_int8"} <= _cpu_flags
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.enabled() or not {"avx2", "fma"} <= _cpu_flags(),
     reason="MINISGL_CPU_KERNELS=off or no AVX2 with FMA on this CPU")
-# whether this build reads int8 KV pools (the AVX512-BF16 one)
+# whether this build reads int8 KV pools (both do)
 INT8_KV = cpu_kernels.load() and torch.ops.minisgl_cpu.int8_kv()
 
 
@@ -409,10 +409,10 @@ def test_backend_uses_kernel_on_paged_pool(monkeypatch: pytest.MonkeyPatch, page
 ])
 def test_backend_on_int8_pool(monkeypatch: pytest.MonkeyPatch, kernel: bool, phase: str,
                               prefix_lens: list[int], new_lens: list[int]) -> None:
-    """The torch backend over an int8 pool: the kernel where this build reads int8 pools,
-    PyTorch's path where it does not (forced here); both attend over what the pool holds."""
+    """The torch backend over an int8 pool: the kernel, or PyTorch's path where the kernels are
+    unavailable (forced here); both attend over what the pool holds."""
     if kernel and not INT8_KV:
-        pytest.skip("the AVX2 build reads bf16 pools only")
+        pytest.skip("this build reads no int8 pool")
     calls = []
     real = cpu_kernels.paged_attention
 
@@ -490,7 +490,7 @@ def test_quantize_rows_against_float64() -> None:
     assert pool.num_bytes == 2 * 3 * 128 * 68
 
 
-@pytest.mark.skipif(not INT8_KV, reason="the AVX2 build reads bf16 pools only")
+@pytest.mark.skipif(not INT8_KV, reason="this build reads no int8 pool")
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim"),
                          [(3, 3, 64), (2, 2, 128), (1, 8, 32), (2, 4, 256)])
@@ -517,7 +517,7 @@ def test_int8_pool_matches_float64(case: str, kv_heads: int, group: int,
     assert 0 < (ref - exact).abs().max().item() < 0.1
 
 
-@pytest.mark.skipif(not INT8_KV, reason="the AVX2 build reads bf16 pools only")
+@pytest.mark.skipif(not INT8_KV, reason="this build reads no int8 pool")
 @pytest.mark.parametrize("phase", ["extend", "decode"])
 def test_int8_pool_shared_prefixes_and_page_runs(phase: str) -> None:
     """Decode groups sharing a cached prefix (lane groups and per-row rows in one item) and
@@ -548,17 +548,13 @@ def test_int8_pool_shared_prefixes_and_page_runs(phase: str) -> None:
 
 
 def test_int8_pool_bad_inputs_are_refused() -> None:
-    """An int8 pool whose rows are not head_dim + 4 bytes, K and V of different types, or (in
-    the AVX2 build) any int8 pool: clear errors."""
+    """An int8 pool whose rows are not head_dim + 4 bytes, or K and V of different types:
+    clear errors."""
     assert cpu_kernels.load(), cpu_kernels.load_error
     q = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
     k8 = torch.zeros(2, 64, 68, dtype=torch.int8)
     slots = torch.zeros(2, 8, dtype=torch.int64)
     one, lens, starts = torch.ones(2, dtype=torch.int64), torch.full((2,), 4), torch.arange(2)
-    if not INT8_KV:
-        with pytest.raises(RuntimeError, match="int8 KV pool needs the AVX512-BF16 build"):
-            cpu_kernels.paged_attention(q, k8, k8, slots, lens, starts, one, 1.0)
-        return
     with pytest.raises(RuntimeError, match="pool shapes differ"):
         narrow = k8[..., :64].contiguous()
         cpu_kernels.paged_attention(q, narrow, narrow, slots, lens, starts, one, 1.0)
@@ -1398,7 +1394,7 @@ def test_decoder_layer_matches_its_steps(kv_lens: list[int], q_lens: list[int], 
     pools (kv8: the new K/V stored as the bytes KVPool.write stores for the same values)."""
     assert cpu_kernels.load(), cpu_kernels.load_error
     if kv8 and not INT8_KV:
-        pytest.skip("the AVX2 build reads bf16 pools only")
+        pytest.skip("this build reads no int8 pool")
     g = torch.Generator().manual_seed(sum(kv_lens) + sum(q_lens) + window)
     (hidden, inter), heads, kv_heads, d, pages = sizes, 9, 3, 64, 1024
     m = sum(q_lens)

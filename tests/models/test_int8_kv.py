@@ -92,7 +92,7 @@ def test_every_step_logits_match_hf_with_an_int8_cache(tiny: tuple[Any, Path]) -
 
 
 @pytest.mark.skipif(not (cpu_kernels.load() and torch.ops.minisgl_cpu.int8_kv()),
-                    reason="the CPU kernels read int8 pools in the AVX512-BF16 build only")
+                    reason="no CPU kernels here")
 def test_smollm2_kernels_on_an_int8_pool(smollm2_path: str) -> None:
     """bf16 SmolLM2 on the CPU kernels, three requests (one sharing another's prefix), 24 steps,
     against HF float32 (each engine on its own contexts). The quantization's own error is of

@@ -247,8 +247,7 @@ def _register_fake() -> None:
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
              int8_kv: bool = False) -> bool:
     """Whether ``paged_attention`` takes this shape (and runs on this CPU); ``int8_kv``: over
-    an int8 pool (``KVPool(kv_dtype=torch.int8)``), which the AVX512-BF16 build reads and the
-    AVX2 one does not (PyTorch's path runs there)."""
+    an int8 pool (``KVPool(kv_dtype=torch.int8)``)."""
     return (dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
             and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 8 and load()
             and (not int8_kv or torch.ops.minisgl_cpu.int8_kv()))

@@ -84,7 +84,7 @@ class KernelArgs:
 
 class TorchNativeBackend(AttentionBackend):
     supports_sliding_window = True
-    supports_int8_kv = True  # the kernel (AVX512-BF16 build) or KVPool.read/write
+    supports_int8_kv = True  # the kernels, or KVPool.read/write
 
     def __init__(self, kv: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float, device: torch.device) -> None:

@@ -4,8 +4,8 @@
 //
 // Inputs: q [T, H, D] bf16 (the batch's new tokens, request after request); the KV pool k, v
 // [KVH, S, D] bf16 (minisgl.core.kvcache.KVPool, already holding the new tokens' K/V), read in
-// place, or in the AVX-512 build int8 [KVH, S, D + 4] (a row's D values, then its float32
-// scale: KVPool's int8 records, see load_block); slots [B, Lk] int64 (row b: request b's pool slots in position order); kv_lens [B];
+// place, or int8 [KVH, S, D + 4] (a row's D values, then its float32 scale: KVPool's int8
+// records; see load_block, and dequant_rows in the AVX2 build); slots [B, Lk] int64 (row b: request b's pool slots in position order); kv_lens [B];
 // q_start, q_lens [B] (request b's queries are rows q_start[b] ... of q, the last q_lens[b]
 // positions of its kv_lens[b]). Causal: query i of b (at position p = kv_lens[b] - q_lens[b] + i)
 // sees keys 0 .. p, or with a sliding window W > 0 only the last W of them, p - W + 1 .. p.
@@ -1348,6 +1348,25 @@ inline void qk_dispatch(int nr, const float* const* q, const F16* kt, int64_t D,
 // before); then O += P V with 12 accumulators (3 rows x 32 dims). 16 decode requests x 160
 // keys: 0.72-0.81x the time of the blocks (docs/benchmarks.md, twentieth sitting).
 constexpr int64_t kChunk = 512;  // keys per chunk: scores [G][kChunk] stay in L1
+
+// Rows of an int8 pool (D values, then the row's float32 scale) as bf16 rows of D (value x
+// scale, rounded as KVPool.read rounds it) at out + j * D: this build widens bf16 to float32
+// where it uses a row, so an int8 pool's rows are made bf16 first (per chunk or block), and the
+// rest runs as on a bf16 pool. rows[j] may be null (left alone).
+inline void dequant_rows(const uint16_t* const* rows, int64_t n, int64_t D, uint16_t* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (rows[j] == nullptr) continue;
+    const auto* x = reinterpret_cast<const int8_t*>(rows[j]);
+    float s;
+    std::memcpy(&s, x + D, sizeof(s));
+    const __m256 vs = _mm256_set1_ps(s);
+    for (int64_t c = 0; c < D; c += 8) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x + c));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j * D + c),
+                       minisgl_vec::to_bf16(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), vs)));
+    }
+  }
+}
 constexpr int64_t kAhead = 32;   // rows prefetched ahead in the chunk's K then V stream
 
 // The even and the odd dims of 8 bf16 pairs, as float32.
@@ -1435,7 +1454,7 @@ inline void row_groups(int64_t G, const Fn& fn) {
 void run_decode(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
                 const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t qrow0,
                 int64_t H, int64_t S, int64_t G, int64_t D, float scale, float* O, float* m,
-                float* l, Ahead& ahead) {
+                float* l, Ahead& ahead, bool q8) {
   constexpr int64_t ld = kChunk + 8;
   struct Scratch {
     alignas(32) float sc[8 * ld];   // scores, then P: [G][ld]
@@ -1443,14 +1462,16 @@ void run_decode(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     alignas(32) float qp[8 * MAXD];  // the rows' queries in pair order
     const uint16_t* kr[kChunk + 4];
     const uint16_t* vr[kChunk + 4];
+    std::vector<uint16_t> kst, vst;  // an int8 pool's chunk as bf16 rows (dequant_rows)
   };
   static thread_local Scratch scratch;
-  auto& [sc, op, qp, kr, vr] = *minisgl::opaque(&scratch);
+  auto& [sc, op, qp, kr, vr, kst, vst] = *minisgl::opaque(&scratch);
   alignas(64) static const uint16_t zero_row[MAXD] = {};
-  const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * D;
-  const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * D;
+  const int64_t Dr = q8 ? (D + 4) / 2 : D;  // a pool row's uint16
+  const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * Dr;
+  const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * Dr;
   const int64_t* srow = slots + it.b * Lk;
-  for (int64_t j = it.k0; j < std::min(it.k1, it.k0 + kAhead); ++j) prefetch_row(kh + srow[j] * D, D);
+  for (int64_t j = it.k0; j < std::min(it.k1, it.k0 + kAhead); ++j) prefetch_row(kh + srow[j] * Dr, Dr);
   const uint16_t* qh = reinterpret_cast<const uint16_t*>(q) + ((qrow0 + it.q0) * H + it.h * G) * D;
   for (int64_t i = 0; i < G * D; i += 16) {  // the G heads' queries lie back to back
     __m256 e, o;
@@ -1466,8 +1487,15 @@ void run_decode(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     const int64_t n = std::min(kChunk, it.k1 - a), n4 = (n + 3) / 4 * 4, n8 = (n + 7) / 8 * 8;
     ahead.keys(per);
     for (int64_t j = 0; j < n4; ++j) {
-      kr[j] = j < n ? kh + srow[a + j] * D : zero_row;
-      vr[j] = j < n ? vh + srow[a + j] * D : zero_row;
+      kr[j] = j < n ? kh + srow[a + j] * Dr : zero_row;
+      vr[j] = j < n ? vh + srow[a + j] * Dr : zero_row;
+    }
+    if (q8) {  // (their prefetches below then ask for the scratch rows: in cache already)
+      kst.resize(n * D);
+      vst.resize(n * D);
+      dequant_rows(kr, n, D, kst.data());
+      dequant_rows(vr, n, D, vst.data());
+      for (int64_t j = 0; j < n; ++j) kr[j] = kst.data() + j * D, vr[j] = vst.data() + j * D;
     }
     // this chunk's K rows, then its V rows, kAhead ahead of use
     for (int64_t j = 0; j < n4; j += 4) {
@@ -1508,7 +1536,7 @@ void run_decode(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     // O += P V; meanwhile the next chunk's first K rows
     const int64_t next_n = std::min(kAhead, it.k1 - a - n);
     const uint16_t* next_k[kAhead];
-    for (int64_t t = 0; t < next_n; ++t) next_k[t] = kh + srow[a + n + t] * D;
+    for (int64_t t = 0; t < next_n; ++t) next_k[t] = kh + srow[a + n + t] * Dr;
     row_groups(G, [&](auto nr, int64_t r0) {
       pv_rows<decltype(nr)::value>(sc + r0 * ld, ld, vr, n, D, next_k, next_n, op + r0 * D);
     });
@@ -1528,9 +1556,9 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
               const c10::BFloat16* v, const int64_t* slots, int64_t Lk, int64_t prefix,
               int64_t qrow0, const int64_t* members, const int64_t* q_start, int64_t H,
               int64_t S, int64_t G, int64_t D, float scale, int64_t window, float* O, float* m,
-              float* l, Ahead& ahead, bool /*lanes*/, bool /*q8: the AVX-512 build's*/) {
+              float* l, Ahead& ahead, bool /*lanes: the AVX-512 build's*/, bool q8) {
   if (it.nq == 1 && it.mn == 0) {  // one query: its rows see all of [k0, k1)
-    run_decode(it, q, k, v, slots, Lk, qrow0, H, S, G, D, scale, O, m, l, ahead);
+    run_decode(it, q, k, v, slots, Lk, qrow0, H, S, G, D, scale, O, m, l, ahead, q8);
     return;
   }
   const int64_t R = it.nq * G;
@@ -1556,9 +1584,11 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
       _mm256_storeu_ps(qf.data() + r * D + d, load_bf16(q + qoff[r] + d));
   }
   std::fill(O, O + R * D, 0.f);
-  const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * D;
-  const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * D;
+  const int64_t Dr = q8 ? (D + 4) / 2 : D;  // a pool row's uint16
+  const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * Dr;
+  const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * Dr;
   const int64_t* srow = slots + it.b * Lk;
+  alignas(32) static thread_local uint16_t stage[2][KB * MAXD];  // an int8 block as bf16 rows
   const __m256i zero = _mm256_setzero_si256(), high = _mm256_set1_epi32(int(0xFFFF0000u));
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i lane8 = _mm256_add_epi32(lane, _mm256_set1_epi32(8));
@@ -1568,7 +1598,12 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     const int halves = nk > 8 ? 2 : 1;  // keys 8-15 past nk: their lanes stay masked
     const uint16_t* krow[KB];
     const uint16_t* vrow[KB];
-    block_rows(kh, vh, srow, kb, nk, it.k1, D, krow, vrow);
+    block_rows(kh, vh, srow, kb, nk, it.k1, Dr, krow, vrow, q8);
+    if (q8) {
+      dequant_rows(krow, nk, D, stage[0]);
+      dequant_rows(vrow, nk, D, stage[1]);
+      for (int j = 0; j < nk; ++j) krow[j] = stage[0] + j * D, vrow[j] = stage[1] + j * D;
+    }
     // kt[d] = dim d of the block's keys: 32 bytes (16 dims, 8 pairs) of 8 keys transposed,
     // then each pair's even and odd dim widened
     for (int64_t c = 0; c < D / 16; ++c)
@@ -1656,7 +1691,7 @@ inline void write_row(const float* o, float inv, int64_t D, c10::BFloat16* out) 
 #endif  // the builds
 
 bool available() { return MINISGL_ATTN_ANY; }
-bool int8_kv() { return MINISGL_FAST; }  // whether paged_attention reads int8 pools
+bool int8_kv() { return MINISGL_ATTN_ANY; }  // whether paged_attention reads int8 pools
 
 // The leading slots two slot rows have in common, within their first n, in whole key blocks:
 // compared 256 slots at a time, then the first unequal span block by block (a slot at a time,
@@ -1697,7 +1732,6 @@ void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, int64_t Dq,
                   (k.scalar_type() == at::kBFloat16 || q8) &&
                   v.scalar_type() == k.scalar_type() && k.sizes() == v.sizes(),
               "k, v: contiguous bfloat16 [KVH, S, D] (or int8 [KVH, S, D + 4]) of one shape");
-  TORCH_CHECK(!q8 || MINISGL_FAST, "an int8 KV pool needs the AVX512-BF16 build");
   TORCH_CHECK(k.size(2) == (q8 ? Dq + 4 : Dq), "head_dim / pool shapes differ");
   TORCH_CHECK(Dq % 32 == 0 && Dq <= 256, "head_dim must be a multiple of 32, <= 256");
   TORCH_CHECK(H % k.size(0) == 0 && H / k.size(0) <= 8,
