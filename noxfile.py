@@ -114,15 +114,15 @@ def _cpu_has(*flags: str) -> bool:
 def tests_avx2(session: nox.Session) -> None:
     """The C++ kernels' AVX2 build (MINISGL_CPU_ISA=avx2: -march=x86-64-v3, what most laptops
     run) on this CPU, AVX-512 or not: the kernel tests and the models' HF-reference, fused-layer,
-    int8, window and scheduling tests (not the int8 perplexity, ~1 min)."""
+    int8, int8 KV, window and scheduling tests (not the int8 perplexities, ~1 min)."""
     if not _cpu_has("avx2", "fma"):
         session.skip("this CPU has no AVX2 with FMA")
     env = dict(test_env(session, PYTHONS[0]), MINISGL_CPU_ISA="avx2")
     args = session.posargs or [
         "tests/backends/test_cpu_kernel.py",
         *(f"tests/models/test_{name}.py" for name in ("hf_reference", "smollm2", "fused_layer",
-                                                       "quantization", "sliding_window",
-                                                       "prefix_scheduling")),
+                                                       "quantization", "int8_kv",
+                                                       "sliding_window", "prefix_scheduling")),
         "-k", "not perplexity"]
     run_in(session, env, "pytest", *args, "-q")
 
