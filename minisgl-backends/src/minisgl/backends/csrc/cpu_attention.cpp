@@ -5,7 +5,8 @@
 // Inputs: q [T, H, D] bf16 (the batch's new tokens, request after request); the KV pool k, v
 // [KVH, S, D] bf16 (minisgl.core.kvcache.KVPool, already holding the new tokens' K/V), read in
 // place, or int8 [KVH, S, D + 4] (a row's D values, then its float32 scale: KVPool's int8
-// records; see load_block, and dequant_rows in the AVX2 build); slots [B, Lk] int64 (row b: request b's pool slots in position order); kv_lens [B];
+// records; see load_block, and dequant_rows in the AVX2 build); slots [B, Lk] int64 (row b:
+// request b's pool slots in position order); kv_lens [B];
 // q_start, q_lens [B] (request b's queries are rows q_start[b] ... of q, the last q_lens[b]
 // positions of its kv_lens[b]). Causal: query i of b (at position p = kv_lens[b] - q_lens[b] + i)
 // sees keys 0 .. p, or with a sliding window W > 0 only the last W of them, p - W + 1 .. p.
@@ -333,7 +334,8 @@ inline void pair_rows(const uint16_t* const* vrow, int64_t D, __m512i* vp) {
     if constexpr (!q8) {
       return _mm512_loadu_si512(row + c * 32);
     } else {
-      const auto* x = reinterpret_cast<const __m128i*>(reinterpret_cast<const int8_t*>(row) + c * 32);
+      const auto* x =
+          reinterpret_cast<const __m128i*>(reinterpret_cast<const int8_t*>(row) + c * 32);
       const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(x)));
       const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(x + 1)));
       return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
@@ -509,8 +511,9 @@ inline void lane_softmax(__m512* st, int nk, int64_t kb, const int32_t* low, con
   }
   for (int jp = 0; vs != nullptr && jp < KB / 2; ++jp)
     pt[jp] = _mm512_permutexvar_epi16(
-        pairs, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(st[2 * jp + 1], _mm512_set1_ps(vs[2 * jp + 1])),
-                                            _mm512_mul_ps(st[2 * jp], _mm512_set1_ps(vs[2 * jp]))));
+        pairs, (__m512i)_mm512_cvtne2ps_pbh(
+                   _mm512_mul_ps(st[2 * jp + 1], _mm512_set1_ps(vs[2 * jp + 1])),
+                   _mm512_mul_ps(st[2 * jp], _mm512_set1_ps(vs[2 * jp]))));
   const __m512 sum = _mm512_add_ps(sums[0], sums[1]);
   _mm512_mask_storeu_ps(m, act, ref);
   if (up) {  // 2^(old - ref) where the reference moved (l and OT are 0 on a row's first keys)
@@ -1362,8 +1365,8 @@ inline void dequant_rows(const uint16_t* const* rows, int64_t n, int64_t D, uint
     const __m256 vs = _mm256_set1_ps(s);
     for (int64_t c = 0; c < D; c += 8) {
       const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x + c));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j * D + c),
-                       minisgl_vec::to_bf16(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), vs)));
+      const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), vs);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j * D + c), minisgl_vec::to_bf16(f));
     }
   }
 }
@@ -1471,7 +1474,8 @@ void run_decode(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
   const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * Dr;
   const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * Dr;
   const int64_t* srow = slots + it.b * Lk;
-  for (int64_t j = it.k0; j < std::min(it.k1, it.k0 + kAhead); ++j) prefetch_row(kh + srow[j] * Dr, Dr);
+  for (int64_t j = it.k0; j < std::min(it.k1, it.k0 + kAhead); ++j)
+    prefetch_row(kh + srow[j] * Dr, Dr);
   const uint16_t* qh = reinterpret_cast<const uint16_t*>(q) + ((qrow0 + it.q0) * H + it.h * G) * D;
   for (int64_t i = 0; i < G * D; i += 16) {  // the G heads' queries lie back to back
     __m256 e, o;

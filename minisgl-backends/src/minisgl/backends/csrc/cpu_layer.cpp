@@ -208,7 +208,8 @@ void quantize_row(const bf16* x, int64_t D, int8_t* out) {
   // operations: max, one division, products, round to nearest even (|x * inv| <= 127 up to an
   // ulp, which rounds to 127: the saturating pack never saturates)
   __m512 amax16 = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(load(x + d, 0xFFFF)));
+  for (int64_t d = 0; d < D; d += 16)
+    amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(load(x + d, 0xFFFF)));
   const float amax = _mm512_reduce_max_ps(amax16);
   const float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax * (1.f / 127.f);
   for (int64_t d = 0; d < D; d += 16)
@@ -244,7 +245,8 @@ void layer_into(
   // an int8 pool: rows of D values and a float32 scale (see quantize_row)
   const bool q8 = k_pool.scalar_type() == at::kChar;
   const int64_t M = x.size(0), H = x.size(1), S = k_pool.size(1);
-  const int64_t D = q8 ? k_pool.size(2) - 4 : k_pool.size(2), row_bytes = k_pool.size(2) * (q8 ? 1 : 2);
+  const int64_t D = q8 ? k_pool.size(2) - 4 : k_pool.size(2);
+  const int64_t row_bytes = k_pool.size(2) * (q8 ? 1 : 2);
   const int64_t NQ = heads * D, NKV = kv_heads * D, NQKV = NQ + 2 * NKV;
   check(weights.size() == 4 && (scales.empty() || scales.size() == 4),
         "weights: qkv, o, gate_up, down (packed); scales: none (bf16) or theirs (int8)");
