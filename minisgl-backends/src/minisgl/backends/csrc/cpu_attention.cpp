@@ -256,17 +256,24 @@ inline void qk_rows(const int32_t* const* q, const __m512i* kt, int64_t P, __m51
   }
 }
 
-inline void qk_dispatch(int nr, const int32_t* const* q, const __m512i* kt, int64_t P, __m512* out) {
+// fn(std::integral_constant<int, nr>{}) for nr in 1 .. 16: a row count as a template argument
+// (the register tiles of qk_rows and qk16_rows)
+template <class Fn>
+inline void with_rows(int nr, const Fn& fn) {
   switch (nr) {
 #define MINISGL_CASE(n) \
   case n:               \
-    return qk_rows<n>(q, kt, P, out);
+    return fn(std::integral_constant<int, n>{});
     MINISGL_CASE(1) MINISGL_CASE(2) MINISGL_CASE(3) MINISGL_CASE(4) MINISGL_CASE(5)
     MINISGL_CASE(6) MINISGL_CASE(7) MINISGL_CASE(8) MINISGL_CASE(9) MINISGL_CASE(10)
     MINISGL_CASE(11) MINISGL_CASE(12) MINISGL_CASE(13) MINISGL_CASE(14) MINISGL_CASE(15)
     MINISGL_CASE(16)
 #undef MINISGL_CASE
   }
+}
+
+inline void qk_dispatch(int nr, const int32_t* const* q, const __m512i* kt, int64_t P, __m512* out) {
+  with_rows(nr, [&](auto n) { qk_rows<decltype(n)::value>(q, kt, P, out); });
 }
 
 // Scores of NR rows against one key block of an int8 pool as integers: out[r] lane j = q_r .
@@ -292,16 +299,7 @@ inline void qk16_rows(const int32_t* const* q2, const __m512i* kt, int64_t P, __
 
 inline void qk16_dispatch(int nr, const int32_t* const* q2, const __m512i* kt, int64_t P,
                           __m512i* out) {
-  switch (nr) {
-#define MINISGL_CASE(n) \
-  case n:               \
-    return qk16_rows<n>(q2, kt, P, out);
-    MINISGL_CASE(1) MINISGL_CASE(2) MINISGL_CASE(3) MINISGL_CASE(4) MINISGL_CASE(5)
-    MINISGL_CASE(6) MINISGL_CASE(7) MINISGL_CASE(8) MINISGL_CASE(9) MINISGL_CASE(10)
-    MINISGL_CASE(11) MINISGL_CASE(12) MINISGL_CASE(13) MINISGL_CASE(14) MINISGL_CASE(15)
-    MINISGL_CASE(16)
-#undef MINISGL_CASE
-  }
+  with_rows(nr, [&](auto n) { qk16_rows<decltype(n)::value>(q2, kt, P, out); });
 }
 
 // A query row (D bf16) as int16 pairs for qk16_rows, round(q x 32767 / max|q|) (relative error
