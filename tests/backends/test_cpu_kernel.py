@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from minisgl.backends import cpu_kernels
 from minisgl.core import sampling
-from minisgl.core.kvcache import KVPool, quantize_rows
+from minisgl.core.kvcache import KVPool, quantize_kv_rows
 from minisgl.core.layers import quant
 from minisgl.core.request import Req
 from minisgl.core.sampling_params import SamplingParams
@@ -379,6 +379,19 @@ def test_scores_growing_along_the_keys_match_float64(phase: str, kv_heads: int, 
     assert torch.isfinite(out).all()
 
 
+def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """cpu_kernels.paged_attention, counted: a list that grows by one per call."""
+    calls: list[int] = []
+    real = cpu_kernels.paged_attention
+
+    def counting(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_kernels, "paged_attention", counting)
+    return calls
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(("phase", "prefix_lens", "new_lens"), [
     ("prefill", [0, 0, 0], [1, 17, 40]),
@@ -388,14 +401,7 @@ def test_scores_growing_along_the_keys_match_float64(phase: str, kv_heads: int, 
 def test_backend_uses_kernel_on_paged_pool(monkeypatch: pytest.MonkeyPatch, page_size: int,
                                            phase: str, prefix_lens: list[int],
                                            new_lens: list[int]) -> None:
-    calls = []
-    real = cpu_kernels.paged_attention
-
-    def counting(*args: object) -> torch.Tensor:
-        calls.append(1)
-        return real(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(cpu_kernels, "paged_attention", counting)
+    calls = _count_kernel_calls(monkeypatch)
     run_case("torch", page_size=page_size, num_heads=9, num_kv_heads=3, head_dim=64,
              prefix_lens=prefix_lens, new_lens=new_lens, phase=phase, dtype=torch.bfloat16,
              atol=2e-2)
@@ -413,14 +419,7 @@ def test_backend_on_int8_pool(monkeypatch: pytest.MonkeyPatch, kernel: bool, pha
     unavailable (forced here); both attend over what the pool holds."""
     if kernel and not INT8_KV:
         pytest.skip("this build reads no int8 pool")
-    calls = []
-    real = cpu_kernels.paged_attention
-
-    def counting(*args: object) -> torch.Tensor:
-        calls.append(1)
-        return real(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(cpu_kernels, "paged_attention", counting)
+    calls = _count_kernel_calls(monkeypatch)
     if not kernel:
         monkeypatch.setattr(cpu_kernels, "supports", lambda *a, **k: False)
     run_case("torch", page_size=16, num_heads=9, num_kv_heads=3, head_dim=64,
@@ -452,7 +451,7 @@ def test_bad_inputs_are_refused() -> None:
 def _records(x: torch.Tensor) -> torch.Tensor:
     """bf16 rows [..., D] as an int8 KV pool's records [..., D + 4] (KVPool's layout: the
     values, then the float32 scale's bytes)."""
-    values, scales = quantize_rows(x)
+    values, scales = quantize_kv_rows(x)
     return torch.cat([values, scales.unsqueeze(-1).view(torch.int8)], dim=-1)
 
 
@@ -466,14 +465,14 @@ def _dequantized(records: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> 
     return (records[..., :d].float() * scales).to(dtype)
 
 
-def test_quantize_rows_against_float64() -> None:
+def test_quantize_kv_rows_against_float64() -> None:
     """KVPool's int8 rows: values within half a step of x / scale (the largest at +-127),
     scale max|x| / 127 (to an ulp), a row of zeros all zeros; a pool writes those records and reads back
     value x scale."""
     gen = torch.Generator().manual_seed(4)
     x = (torch.randn(64, 3, 64, generator=gen) * torch.rand(64, 3, 1, generator=gen) * 8).bfloat16()
     x[5, 1] = 0
-    values, scales = quantize_rows(x)
+    values, scales = quantize_kv_rows(x)
     amax = x.double().abs().amax(-1)
     assert ((scales.double() - amax / 127).abs() <= amax / 127 * 2 ** -23).all()  # an ulp
     exact = x.double() / (amax / 127).clamp_min(1e-300)[..., None]

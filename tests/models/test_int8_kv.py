@@ -1,6 +1,6 @@
 """The int8 KV pool (``kv_cache_dtype="int8"``) in a real engine, against HF transformers whose
 cache holds K and V as the pool does: each (token, head) row rounded to int8 values times a
-float32 scale (``minisgl.core.kvcache.quantize_rows``), stored after RoPE, read back for every
+float32 scale (``minisgl.core.kvcache.quantize_kv_rows``), stored after RoPE, read back for every
 attention including the token's own.
 
 * tiny models in float32 (PyTorch's path): every step's logits equal that reference's;
@@ -20,7 +20,7 @@ import torch
 
 from minisgl.backends import cpu_kernels
 from minisgl.core import LLM, SamplingParams
-from minisgl.core.kvcache import KVPool, quantize_rows
+from minisgl.core.kvcache import KVPool, quantize_kv_rows
 
 from .conftest import VOCAB
 from .reference import (
@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _held(x: torch.Tensor) -> torch.Tensor:
     """K or V [batch, kv_heads, tokens, head_dim] as an int8 pool holds them."""
-    values, scales = quantize_rows(x)
+    values, scales = quantize_kv_rows(x)
     return (values.float() * scales.unsqueeze(-1)).to(x.dtype)
 
 

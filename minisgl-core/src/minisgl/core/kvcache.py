@@ -24,7 +24,7 @@ class KVPool:
     ``kv_dtype=torch.int8`` (``kv_cache_dtype="int8"``) stores each (head, slot) row as
     ``head_dim`` int8 values and its float32 scale in the 4 bytes after them: ``k[layer]`` is
     int8 ``[kv_heads, slots, head_dim + 4]``, a row x is ``round(x * 127 / max|x|)`` times
-    ``max|x| / 127`` (``quantize_rows``), half the bytes of bf16 for attention to read, and the
+    ``max|x| / 127`` (``quantize_kv_rows``), half the bytes of bf16 for attention to read, and the
     kernels find a row's scale beside its values. ``read`` returns ``dtype`` either way.
 
     On CPU each layer's K and V is an anonymous memory map of its own, which the kernel hands out
@@ -62,7 +62,7 @@ class KVPool:
         for pool, x in ((self.k[layer], k), (self.v[layer], v)):
             rows = x.transpose(0, 1)
             if self.quantized:
-                values, scales = quantize_rows(rows.to(self.dtype))
+                values, scales = quantize_kv_rows(rows.to(self.dtype))
                 rows = torch.cat([values, scales.unsqueeze(-1).view(torch.int8)], dim=-1)
             pool.index_copy_(1, slots, rows.to(pool.dtype))
 
@@ -83,11 +83,13 @@ class KVPool:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_kv_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] as int8 values [..., D] and float32 scales [...]: per row, ``inv = 127 /
     max|x|`` (0 for a row of zeros), values ``round(x * inv)`` (half to even), scale ``max|x| *
     (1 / 127)``, all in float32: the CPU kernels' store (cpu_layer.cpp) computes the same
-    bytes."""
+    bytes. (Not ``layers.quant.quantize_rows``, the weights' quantizer: it divides by the scale,
+    which a ``-ffast-math`` store would not reproduce to the bit, and keeps a zero row's scale
+    above 0.)"""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
     c = torch.full_like(amax, 127.0)  # (a Python number over a tensor is a reciprocal times it)

@@ -200,7 +200,7 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "decoder_layer: ", what)
 
 // A row of D bf16 values as an int8 pool record (KVPool's int8 records): D values round(x *
 // inv), inv = 127 / max|x| (0 for a row of zeros), then the float32 scale max|x| x (1 / 127),
-// each step in float32 as minisgl.core.kvcache.quantize_rows computes it, so that both write
+// each step in float32 as minisgl.core.kvcache.quantize_kv_rows computes it, so that both write
 // the same bytes (tested; -ffast-math would turn max|x| / 127 into that product anyway).
 void quantize_row(const bf16* x, int64_t D, int8_t* out) {
 #if MINISGL_LAYER_FAST
