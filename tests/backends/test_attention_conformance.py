@@ -8,6 +8,12 @@ import torch
 from minisgl.core.testing.attention import run_case
 
 HEADS = [(4, 4), (4, 2), (9, 3), (8, 1)]  # MHA, GQA, SmolLM2's 9/3, MQA
+# (phase, prefix_lens, new_lens): prefills, extends beside prefills, decodes up to 300 keys
+MIXED_BATCHES = [
+    ("prefill", [0, 0, 0], [1, 17, 40]),
+    ("prefill", [16, 3, 70, 0], [5, 30, 1, 9]),
+    ("decode", [0, 1, 15, 16, 100, 63, 300], [1] * 7),
+]
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -47,11 +53,7 @@ def test_bfloat16(attention_backend: str) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the CPU kernel
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize(("phase", "prefix_lens", "new_lens"), [
-    ("prefill", [0, 0, 0], [1, 17, 40]),
-    ("prefill", [16, 3, 70, 0], [5, 30, 1, 9]),
-    ("decode", [0, 1, 15, 16, 100, 63, 300], [1] * 7),
-])
+@pytest.mark.parametrize(("phase", "prefix_lens", "new_lens"), MIXED_BATCHES)
 def test_sliding_window(attention_backend: str, dtype: torch.dtype, page_size: int, phase: str,
                         prefix_lens: list[int], new_lens: list[int]) -> None:
     """A layer with a sliding window of 12 keys, shorter than most of these requests."""
@@ -66,11 +68,7 @@ def test_sliding_window(attention_backend: str, dtype: torch.dtype, page_size: i
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the CPU kernel
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize(("phase", "prefix_lens", "new_lens"), [
-    ("prefill", [0, 0, 0], [1, 17, 40]),
-    ("prefill", [16, 3, 70, 0], [5, 30, 1, 9]),
-    ("decode", [0, 1, 15, 16, 100, 63, 300], [1] * 7),
-])
+@pytest.mark.parametrize(("phase", "prefix_lens", "new_lens"), MIXED_BATCHES)
 @pytest.mark.parametrize("window", [0, 12])
 def test_int8_kv_pool(attention_backend: str, dtype: torch.dtype, page_size: int, phase: str,
                       prefix_lens: list[int], new_lens: list[int], window: int) -> None:
