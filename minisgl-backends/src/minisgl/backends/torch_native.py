@@ -176,8 +176,9 @@ class TorchNativeBackend(AttentionBackend):
         if meta.kernel is not None:
             a = meta.kernel
             qh = q.reshape(q.shape[0], self.num_heads, self.head_dim).to(self.kv.dtype).contiguous()
-            out = cpu_kernels.paged_attention(qh, self.kv.k[layer], self.kv.v[layer], a.slots, a.kv_lens,
-                                              a.q_start, a.q_lens, self.scale, self.windows[layer])
+            out = cpu_kernels.paged_attention(qh, self.kv.k[layer], self.kv.v[layer], a.slots,
+                                              a.kv_lens, a.q_start, a.q_lens, self.scale,
+                                              self.windows[layer])
             return out.view(q.shape[0], -1).to(q.dtype)
         window = self.windows[layer]
         if meta.kv_slots is not None and meta.mask is not None:
