@@ -87,6 +87,17 @@ constexpr int QB = 16;    // queries per work item
 constexpr int MAXD = 256;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
+// A pool row's length in uint16 (both pools are read through uint16 pointers): D bf16 values,
+// or an int8 record's D values and float32 scale, (D + 4) / 2.
+inline int64_t pool_row(int64_t D, bool q8) { return q8 ? (D + 4) / 2 : D; }
+
+// An int8 record's scale: the float32 after its D values.
+inline float record_scale(const uint16_t* row, int64_t D) {
+  float s;
+  std::memcpy(&s, reinterpret_cast<const char*>(row) + D, sizeof(s));
+  return s;
+}
+
 struct Item {
   int64_t b, h, q0, nq, k0, k1;  // request, kv head, first query, queries, key range
   int64_t part;                   // index into the split-K buffer, -1: write the output directly
@@ -350,20 +361,14 @@ inline void pair_rows(const uint16_t* const* vrow, int64_t D, __m512i* vp) {
 
 // The scales of an int8 pool's rows (D values, then a float32): out[j], 0 for null rows.
 inline void row_scales(const uint16_t* const* rows, int64_t D, float* out) {
-  for (int j = 0; j < KB; ++j) {
-    out[j] = 0.f;
-    if (rows[j] != nullptr)
-      std::memcpy(&out[j], reinterpret_cast<const char*>(rows[j]) + D, sizeof(float));
-  }
+  for (int j = 0; j < KB; ++j) out[j] = rows[j] != nullptr ? record_scale(rows[j], D) : 0.f;
 }
 
 // An int8 pool row (D values, then the row's float32 scale) as D bf16 values, value x scale
 // rounded as KVPool.read rounds it (to nearest even): int8 -> int32 -> float32, 16 at a time.
 inline void dequant_row(const uint16_t* row, int64_t D, uint16_t* out) {
   const auto* x = reinterpret_cast<const int8_t*>(row);
-  float s;
-  std::memcpy(&s, x + D, sizeof(s));
-  const __m512 vs = _mm512_set1_ps(s);
+  const __m512 vs = _mm512_set1_ps(record_scale(row, D));
   auto widen = [&](int64_t c) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + c));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), vs);
@@ -392,7 +397,7 @@ inline void load_k16(const uint16_t* const* kr, int nk, int64_t D, __m512i* kt, 
 // (pair_rows); keys past the block's end as zeros. krow: the block's K rows (a row of zeros past
 // its end). Returns its keys.
 //
-// An int8 pool (q8; rows Dr = (D + 4) / 2 uint16 apart, D values then a float32 scale): V's
+// An int8 pool (q8; rows pool_row(D, true) uint16 apart, D values then a float32 scale): V's
 // values are paired as they are (integers, exact in bf16) and vs gets the rows' scales (P
 // takes them: run_item); for the per-row rows kt is load_k16's int16 operand (scores by
 // vpdpwssd against int16 queries, scaled after) and ks the keys' scales; for lane groups, K rows
@@ -408,7 +413,7 @@ inline int load_block(const uint16_t* kh, const uint16_t* vh, const int64_t* sro
   const __m512i zero = _mm512_setzero_si512();
   const uint16_t* kr[KB];
   const uint16_t* vrow[KB];
-  block_rows(kh, vh, srow, kb, nk, k1, q8 ? (D + 4) / 2 : D, kr, vrow, q8);
+  block_rows(kh, vh, srow, kb, nk, k1, pool_row(D, q8), kr, vrow, q8);
   if (q8) {
     pair_rows<true>(vrow, D, vp);
     row_scales(vrow, D, vs);
@@ -608,7 +613,7 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
               int64_t S, int64_t G, int64_t D, float scale, int64_t window, float* O, float* m,
               float* l, Ahead& ahead, bool lanes, bool q8) {
   const int64_t R = it.nq * G, P = D / 2, Z = D / 16;
-  const int64_t Dr = q8 ? (D + 4) / 2 : D;  // a pool row's uint16 (see load_block)
+  const int64_t Dr = pool_row(D, q8);
   const float scale2 = scale * minisgl_vec::kLog2e;  // the lane rows' softmax is in base 2
   constexpr int MR = QB * 8;  // rows of an item at most
   struct Scratch {
@@ -1358,9 +1363,7 @@ inline void dequant_rows(const uint16_t* const* rows, int64_t n, int64_t D, uint
   for (int64_t j = 0; j < n; ++j) {
     if (rows[j] == nullptr) continue;
     const auto* x = reinterpret_cast<const int8_t*>(rows[j]);
-    float s;
-    std::memcpy(&s, x + D, sizeof(s));
-    const __m256 vs = _mm256_set1_ps(s);
+    const __m256 vs = _mm256_set1_ps(record_scale(rows[j], D));
     for (int64_t c = 0; c < D; c += 8) {
       const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x + c));
       const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), vs);
@@ -1468,7 +1471,7 @@ void run_decode(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
   static thread_local Scratch scratch;
   auto& [sc, op, qp, kr, vr, kst, vst] = *minisgl::opaque(&scratch);
   alignas(64) static const uint16_t zero_row[MAXD] = {};
-  const int64_t Dr = q8 ? (D + 4) / 2 : D;  // a pool row's uint16
+  const int64_t Dr = pool_row(D, q8);
   const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * Dr;
   const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * Dr;
   const int64_t* srow = slots + it.b * Lk;
@@ -1586,7 +1589,7 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
       _mm256_storeu_ps(qf.data() + r * D + d, load_bf16(q + qoff[r] + d));
   }
   std::fill(O, O + R * D, 0.f);
-  const int64_t Dr = q8 ? (D + 4) / 2 : D;  // a pool row's uint16
+  const int64_t Dr = pool_row(D, q8);
   const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * Dr;
   const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * Dr;
   const int64_t* srow = slots + it.b * Lk;
@@ -1747,7 +1750,7 @@ void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, int64_t Dq,
               "slots: [B, Lk]; kv_lens, q_start, q_lens: [B]");
 #if MINISGL_ATTN_ANY
   const int64_t D = Dq, KVH = k.size(0), S = k.size(1), G = H / KVH;
-  const int64_t Dr = q8 ? (D + 4) / 2 : D;  // a pool row's uint16 (int8: D bytes and a scale)
+  const int64_t Dr = pool_row(D, q8);
   const int64_t Lk = slots.size(1);
   const int64_t* kl = kv_lens.data_ptr<int64_t>();
   const int64_t* qs = q_start.data_ptr<int64_t>();
