@@ -57,6 +57,12 @@ def hf_model(path: str | Path) -> Any:
     return _HF_MODELS[key]
 
 
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest |a - b| (a may live on the engine's device, b is HF's, on the CPU)."""
+    assert a.shape == b.shape, f"shape {tuple(a.shape)} vs HF {tuple(b.shape)}"
+    return float((a.float().cpu() - b.float()).abs().max())
+
+
 @torch.no_grad()
 def hf_logits(path: str | Path, ids: list[int]) -> torch.Tensor:
     """HF float32 logits [len(ids), vocab] of one unpadded sequence."""

@@ -34,6 +34,7 @@ from .reference import (
     hf_logits,
     make_engine,
     make_prompts,
+    max_abs_diff,
     record_logits,
     run_to_completion,
     submit,
@@ -45,11 +46,6 @@ PROMPTS = make_prompts(LENGTHS, VOCAB, seed=1234)
 GREEDY_TOKENS = 32
 
 Tiny = tuple[TinySpec, Path]
-
-
-def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, f"shape {tuple(a.shape)} vs HF {tuple(b.shape)}"
-    return float((a.float().cpu() - b.float()).abs().max())
 
 
 def test_sharded_checkpoint_is_sharded(tiny_dirs: dict[str, Path]) -> None:

@@ -29,6 +29,7 @@ from .reference import (
     hf_model,
     make_engine,
     make_prompts,
+    max_abs_diff,
     record_logits,
     run_to_completion,
     submit,
@@ -60,10 +61,6 @@ def hf_int8_kv_logits(path: str | Path, ids: list[int]) -> torch.Tensor:
     return out.logits[0].float()
 
 
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max())
-
-
 def test_every_step_logits_match_hf_with_an_int8_cache(tiny: tuple[Any, Path]) -> None:
     """float32 engine, int8 pool: prefill (chunked too) and decode logits equal HF's with the
     quantized cache; plain HF is measurably further away (the quantization is in effect)."""
@@ -81,8 +78,8 @@ def test_every_step_logits_match_hf_with_an_int8_cache(tiny: tuple[Any, Path]) -
     worst = plain = 0.0
     for seq, row in records:
         ref = hf_int8_kv_logits(path, seq)[-1]
-        worst = max(worst, _max_diff(row, ref))
-        plain = max(plain, _max_diff(row, hf_logits(path, seq)[-1]))
+        worst = max(worst, max_abs_diff(row, ref))
+        plain = max(plain, max_abs_diff(row, hf_logits(path, seq)[-1]))
     # Measured at most 3.1e-6 but for the llama3-scaled RoPE (3.1e-3 and 1.2e-3): there K lies
     # a few float32 ulps from HF's (frequencies computed in another order), and a value x 127 /
     # max|x| that falls that close to .5 rounds to the other integer, a step of one K value;
