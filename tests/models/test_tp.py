@@ -280,6 +280,21 @@ def test_overlap_scheduling_at_tp2(tiny_dirs: dict[str, Path]) -> None:
         close_cleanly(llm)
 
 
+def test_speculative_drafts_at_tp2(tiny_dirs: dict[str, Path]) -> None:
+    """Prompt-lookup drafts at TP=2: every rank drafts from the same (broadcast) tokens and
+    keeps the same ones, so the ranks stay in step; greedy tokens are still HF's."""
+    path = tiny_dirs["llama-tied-mqa-bias"]
+    llm = tp_llm(path, 2, speculative_tokens=4)
+    try:
+        outs = llm.generate(PROMPTS, greedy(STEPS))
+        for p, out in zip(PROMPTS, outs):
+            assert out.token_ids == hf_greedy(path, p, STEPS)
+        assert llm.scheduler.stats.accepted_tokens > 0, "no draft was kept"
+        assert_all_free(llm.engine, llm.scheduler)
+    finally:
+        close_cleanly(llm)
+
+
 def test_int8_kv_pool_at_tp2_matches_tp1(tiny_dirs: dict[str, Path]) -> None:
     """kv_cache_dtype="int8" at TP=2: each rank quantizes its own KV heads' rows, as one rank
     quantizes all of them: TP=1's greedy tokens, log-probs within float32 noise."""

@@ -100,6 +100,9 @@ def test_engine_flags_round_trip_threads() -> None:
     kv8 = p.parse_args(["--kv-cache-dtype", "int8"])
     assert engine_kwargs(p.parse_args(engine_flags(kv8)))["kv_cache_dtype"] == "int8"
     assert engine_kwargs(p.parse_args([]))["kv_cache_dtype"] == "auto"
+    spec = p.parse_args(["--speculative-tokens", "4"])
+    assert engine_kwargs(p.parse_args(engine_flags(spec)))["speculative_tokens"] == 4
+    assert engine_kwargs(p.parse_args([]))["speculative_tokens"] == 0
 
 
 def test_bench_runs_on_a_checkpoint_without_a_tokenizer(tmp_path: os.PathLike[str]) -> None:

@@ -196,8 +196,9 @@ class EngineConfig:
     sampler: str = "default"
     schedule_policy: str = "fcfs"
     cache: str = "radix"  # prefix cache: "radix" (reuse shared prefixes) or "naive" (none)
-    # Build step N+1 on the host while step N runs (a forward worker thread). None: on for GPUs,
-    # off on CPU, where the worker's OpenMP team slows every op of the process (measured 0.6x).
+    # Build step N+1 on the host while step N runs (a forward worker thread). None: on for GPUs
+    # without speculative_tokens, off on CPU, where the worker's OpenMP team slows every op of
+    # the process (measured 0.6x).
     overlap: bool | None = None
     # Prefill steps also compute one token of every decoding request (SGLang's mixed chunk), so
     # a new prompt does not cost the running requests a step of their own. None: on for CPU
@@ -224,6 +225,10 @@ class EngineConfig:
     # the KV pool's element type: "auto" (the model's dtype) or "int8" (a float32 scale per head
     # and token; half of bf16's bytes: twice the tokens per byte, less for attention to read)
     kv_cache_dtype: str = "auto"
+    # Prompt-lookup speculative decoding (speculative.py): up to this many tokens per decoding
+    # request guessed from its own earlier tokens and checked in the same step; 0: off. Steps
+    # that check drafts need the tokens of the step before, so it excludes overlap.
+    speculative_tokens: int = 0
     # torch.compile of the decode step (compile.py): auto | on (background) | wait | off
     compile: str = field(default_factory=default_mode)
 
@@ -244,6 +249,9 @@ class EngineConfig:
             ("quantization", self.quantization in (None, "int8"), "must be None or 'int8'"),
             ("kv_cache_dtype", self.kv_cache_dtype in ("auto", "int8"), "must be 'auto' or 'int8'"),
             ("compile", self.compile in COMPILE_MODES, f"must be one of {', '.join(COMPILE_MODES)}"),
+            ("speculative_tokens", self.speculative_tokens >= 0, "must be >= 0"),
+            ("speculative_tokens", not (self.speculative_tokens and self.overlap),
+             "needs overlap off (a draft is made from the previous step's tokens)"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -266,4 +274,6 @@ class EngineConfig:
 
     @property
     def use_overlap(self) -> bool:
-        return self.overlap if self.overlap is not None else self.device_type != "cpu"
+        if self.overlap is not None:
+            return self.overlap
+        return self.device_type != "cpu" and not self.speculative_tokens

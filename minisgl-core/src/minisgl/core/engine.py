@@ -238,15 +238,16 @@ class Engine:
         kv_lens: list[int] = []
         row_of_token: list[int] = []
         logits_indices: list[int] = []
-        for req, n, sample in zip(batch.reqs, batch.extend_lens, batch.sample):
-            start = req.num_computed
-            ids.extend(req.token_slice(start, start + n))
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            start, draft = req.num_computed, batch.drafts[i] if batch.drafts else []
+            ids.extend(req.token_slice(start, start + n - len(draft)))
+            ids.extend(draft)
             positions.extend(range(start, start + n))
             row_of_token.extend([req.table_row] * n)
             rows.append(req.table_row)
             kv_lens.append(start + n)
-            if sample:  # the request's last new token
-                logits_indices.append(len(ids) - 1)
+            # the request's last new token, or its last batch.rows(i) tokens (a draft's)
+            logits_indices.extend(range(len(ids) - batch.rows(i), len(ids)))
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         out_loc = self.table.table[torch.tensor(row_of_token, device=self.device), pos]
         layout = BatchLayout(batch.phase, list(batch.extend_lens), kv_lens, rows,

@@ -44,6 +44,7 @@ class Req:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     admissions: int = 0  # > 1 once a retracted request was resumed
     generator: torch.Generator | None = None
+    ngrams: Any = None  # speculative.NgramIndex of all_ids, built on the first draft
 
     @property
     def all_ids(self) -> list[int]:
@@ -100,7 +101,9 @@ class Batch:
 
     ``extend_lens[i]`` new tokens of ``reqs[i]`` are computed, starting at ``reqs[i].num_computed``.
     A decode batch has every extend_len 1. ``sample[i]`` is False for a prefill chunk that does not
-    reach the end of its prompt (no token is produced for it this step).
+    reach the end of its prompt (no token is produced for it this step). A step that checks
+    speculative drafts (phase "prefill", one input token + ``drafts[i]`` per request) samples
+    after every one of its tokens; ``drafts`` is empty in every other step.
     """
 
     phase: str  # "prefill" | "decode"
@@ -111,11 +114,26 @@ class Batch:
     out_pos: list[int] = field(default_factory=list)
     future_slots: list[int] = field(default_factory=list)
     release_after: list[Req] = field(default_factory=list)  # finished while this step ran
+    drafts: list[list[int]] = field(default_factory=list)  # per request: tokens guessed to follow
+    rng_states: list[Any] = field(default_factory=list)  # per request with drafts: generator state
 
     @property
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
 
+    def rows(self, i: int) -> int:
+        """Tokens sampled for ``reqs[i]`` in this step."""
+        return (1 + len(self.drafts[i]) if self.drafts else 1) if self.sample[i] else 0
+
     @classmethod
     def decode(cls, reqs: list[Req]) -> Batch:
         return cls("decode", reqs, [1] * len(reqs), [True] * len(reqs))
+
+    @classmethod
+    def verify(cls, reqs: list[Req], drafts: list[list[int]]) -> Batch:
+        """A decode step whose requests also compute their drafts (speculative.py); the
+        generators of sampled requests with a draft are saved, to be wound to the kept tokens."""
+        states = [r.generator.get_state() if d and not r.params.greedy and r.generator is not None
+                  else None for r, d in zip(reqs, drafts)]
+        return cls("prefill", reqs, [1 + len(d) for d in drafts], [True] * len(reqs),
+                   drafts=drafts, rng_states=states)

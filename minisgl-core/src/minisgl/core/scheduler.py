@@ -17,7 +17,8 @@ from minisgl.core.kv_manager import KVManager
 from minisgl.core.policy import SchedulePolicy
 from minisgl.core.prefix_cache import make_prefix_cache
 from minisgl.core.request import Batch, Req, Status
-from minisgl.core.sampling import SampleOutput
+from minisgl.core.sampling import SampleOutput, draw_keys
+from minisgl.core.speculative import VERIFY_ROWS, accept, draft
 
 
 @dataclass
@@ -26,6 +27,8 @@ class SchedulerStats:
     cached_tokens: int = 0  # of those, found in the prefix cache
     computed_tokens: int = 0  # tokens run through the model (prefill chunks + decode)
     retractions: int = 0
+    draft_tokens: int = 0  # speculative tokens checked (speculative.py)
+    accepted_tokens: int = 0  # of those, the ones that were the tokens sampled
 
 
 class _NeedSync(Exception):
@@ -245,7 +248,31 @@ class Scheduler:
                 self._retract(victim)
                 if victim in reqs:
                     reqs.remove(victim)
-        return Batch.decode(reqs) if reqs else None
+        if not reqs:
+            return None
+        return self._with_drafts(reqs) if self.config.speculative_tokens else Batch.decode(reqs)
+
+    def _with_drafts(self, reqs: list[Req]) -> Batch:
+        """The decode step of ``reqs``, with prompt-lookup drafts (speculative.py) in the rows
+        that VERIFY_ROWS leaves: a small batch, bound by reading the weights, checks them almost
+        for free; a large one gets none. Never past a request's max_tokens or the context."""
+        spare = VERIFY_ROWS - len(reqs)
+        drafts: list[list[int]] = []
+        for req in reqs:
+            k = min(self.config.speculative_tokens, spare,
+                    req.params.max_tokens - len(req.output_ids) - 1,
+                    self.engine.max_model_len - req.seq_len - 1)
+            # (penalties depend on the tokens before each sampled one: drafted rows would need
+            # their own views; such requests decode a token at a time)
+            guess = draft(req, k) if k > 0 and not req.params.has_penalties else []
+            if guess and not self.kv.grow(req, req.num_computed + 1 + len(guess)):
+                guess = []
+            drafts.append(guess)
+            spare -= len(guess)
+        if not any(drafts):
+            return Batch.decode(reqs)
+        self.stats.draft_tokens += sum(len(d) for d in drafts)
+        return Batch.verify(reqs, drafts)
 
     def next_batch(self) -> Batch | None:
         # Alternate with decode after a prefill step so a long (chunked) prompt never stalls
@@ -263,7 +290,7 @@ class Scheduler:
                 self._collected.extend(self.drain())
                 return self.next_batch()
             if batch is not None:
-                self._last_was_prefill = batch.phase == "prefill" and (
+                self._last_was_prefill = batch.phase == "prefill" and not batch.drafts and (
                     not self.config.use_mixed_steps or self._decodes_left_out > 0)
                 return batch
         return None
@@ -294,7 +321,8 @@ class Scheduler:
     def _launch(self, batch: Batch) -> None:
         engine = self.engine
         inputs = engine.prepare(batch)  # reads output ids as they are now, placeholders included
-        sample_reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
+        # one row per sampled token: a request checking a draft samples after each of its tokens
+        sample_reqs = [r for i, r in enumerate(batch.reqs) for _ in range(batch.rows(i))]
         batch.future_slots = engine.take_future_slots(len(sample_reqs))
         self.stats.computed_tokens += batch.num_tokens
         for req, n in zip(batch.reqs, batch.extend_lens):
@@ -304,11 +332,14 @@ class Scheduler:
                 # Cache the prefix now, so the next step (built while this one runs) can reuse
                 # it: every step that reads these pages runs after this one on the same worker.
                 self.kv.cache_prefix(req)
-        for req, slot in zip(sample_reqs, batch.future_slots):
-            batch.out_pos.append(len(req.output_ids))
-            req.output_ids.append(-1 - slot)
-            req.output_logprobs.append(0.0)
-            req.output_top_logprobs.append([])
+        row = 0
+        for i, req in enumerate(batch.reqs):
+            if batch.sample[i]:  # a placeholder for the first token (drafts need no overlap)
+                batch.out_pos.append(len(req.output_ids))
+                req.output_ids.append(-1 - batch.future_slots[row])
+                req.output_logprobs.append(0.0)
+                req.output_top_logprobs.append([])
+                row += batch.rows(i)
         if self._executor is None:
             fut: Future[SampleOutput | None] = Future()
             fut.set_result(engine.run(inputs, sample_reqs, batch.future_slots))
@@ -325,19 +356,41 @@ class Scheduler:
         if out is not None and out.top_ids is not None and out.top_logprobs is not None:
             top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
         changed: list[Req] = []
-        sampled = [r for r, s in zip(batch.reqs, batch.sample) if s]
-        for i, (req, pos, token, logprob) in enumerate(zip(sampled, batch.out_pos, tokens, logprobs)):
+        row = 0
+        sampled = [i for i, s in enumerate(batch.sample) if s]
+        for i, pos in zip(sampled, batch.out_pos):
+            req, first, n = batch.reqs[i], row, batch.rows(i)
+            row += n
             if req.finished:  # finished (or aborted) while this step ran: drop its token
                 continue
-            req.output_ids[pos] = token
-            req.output_logprobs[pos] = logprob
+            if batch.drafts:  # the sampled tokens up to the first that is not the draft's
+                n = len(accept(batch.drafts[i], tokens[first: first + n]))
+                self.stats.accepted_tokens += n - 1
+                state = batch.rng_states[i]
+                if state is not None and req.generator is not None:
+                    # as if only the kept rows had drawn: a seeded request samples the same
+                    # tokens with drafts as without (given the same logits)
+                    req.generator.set_state(state)
+                    draw_keys([req.generator] * n)
             k = req.params.top_logprobs
-            if k and top_ids is not None and top_lps is not None:
-                req.output_top_logprobs[pos] = list(zip(top_ids[i][:k], top_lps[i][:k]))
-            req.check_stop(pos, self.engine.max_model_len)
+            for j in range(first, first + n):
+                if pos == len(req.output_ids):
+                    req.output_ids.append(0)
+                    req.output_logprobs.append(0.0)
+                    req.output_top_logprobs.append([])
+                req.output_ids[pos] = tokens[j]
+                req.output_logprobs[pos] = logprobs[j]
+                if k and top_ids is not None and top_lps is not None:
+                    req.output_top_logprobs[pos] = list(zip(top_ids[j][:k], top_lps[j][:k]))
+                req.check_stop(pos, self.engine.max_model_len)
+                if req.finish_reason is not None:
+                    del req.output_ids[pos + 1:], req.output_logprobs[pos + 1:]
+                    del req.output_top_logprobs[pos + 1:]
+                    break
+                pos += 1
+            if batch.drafts:  # K/V of the input token and the kept draft tokens stay valid
+                req.num_computed = req.seq_len - 1
             if req.finish_reason is not None:
-                del req.output_ids[pos + 1:], req.output_logprobs[pos + 1:]
-                del req.output_top_logprobs[pos + 1:]
                 self._finish(req)
             changed.append(req)
         for req in batch.release_after:

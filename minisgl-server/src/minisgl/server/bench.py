@@ -16,6 +16,8 @@ Workloads (``--scale`` multiplies every length, ``--num-requests`` the request c
 * ``tp`` (not in ``all``): peak memory per rank and step time at TP=1 vs ``--tp`` (bench_tp.py).
 * ``quality`` (not in ``all``): int8 (weights; or the KV pool, ``--kv-cache-dtype int8``) vs
   unquantized perplexity of a fixed text and greedy chat answers side by side (bench_quality.py).
+* ``speculative`` (not in ``all``): chat answers about paragraphs of a real text with and
+  without prompt-lookup drafts (``--speculative-tokens``), alternating (bench_spec.py).
 * ``burst``: 16 requests x 64 tokens (128-token prompts) at once: output tokens / wall time.
 * ``online``: the HTTP server (``minisgl serve``, started with the engine flags, or ``--url``)
   under 1, 8 and 32 concurrent streaming clients; server over offline throughput, each level
@@ -935,6 +937,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if other:
             raise ValueError(f"sampling: {other[0]} runs greedy; --sampling applies to "
                              f"{', '.join(SAMPLED_WORKLOADS)}")
+    if args.workload == "speculative":  # two engines, alternating (bench_spec.py)
+        from minisgl.server.bench_spec import cmd_speculative
+
+        return cmd_speculative(args)
     if args.workload == "quality":  # two engines one after the other (bench_quality.py)
         from minisgl.server.bench_quality import cmd_quality
 
@@ -1010,17 +1016,20 @@ def add_parser(sub: Any) -> None:
         "bench", help="benchmarks (minisgl vs HF)", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p)
-    p.add_argument("workload", nargs="?", choices=[*WORKLOADS, "all", "tp", "quality"],
+    p.add_argument("workload", nargs="?",
+                   choices=[*WORKLOADS, "all", "tp", "quality", "speculative"],
                    default="offline-mixed",
-                   help="what to run (default offline-mixed); all = every workload but tp and "
-                        "quality; tp = TP=1 vs TP=--tp memory and step time; quality = int8 "
-                        "(weights, or the KV pool with --kv-cache-dtype int8) vs unquantized "
-                        "perplexity and chat answers")
+                   help="what to run (default offline-mixed); all = every workload but tp, "
+                        "quality and speculative; tp = TP=1 vs TP=--tp memory and step time; "
+                        "quality = int8 (weights, or the KV pool with --kv-cache-dtype int8) vs "
+                        "unquantized perplexity and chat answers; speculative = answers about "
+                        "real text with and without prompt-lookup drafts")
     p.add_argument("--compare", default="none", metavar="PEERS",
                    help="comma-separated peers: hf (transformers generate, same prompts and "
                         "dtype), llama-cpp (llama-cpp-python, the bundled Q4_1 GGUF, one request "
                         "at a time); default none")
-    p.add_argument("--num-requests", type=int, default=64, help="offline-mixed request count")
+    p.add_argument("--num-requests", type=int, default=64,
+                   help="offline-mixed request count; speculative: paragraphs (default 8)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply every prompt/output length (e.g. 0.25 for a smoke run)")
     p.add_argument("--repeats", type=int, default=None,
@@ -1048,6 +1057,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--url", default=None,
                    help="online: benchmark this running server instead of starting one")
     p.add_argument("--text", nargs="+", default=None, metavar="FILE",
-                   help="quality: the text whose perplexity is measured (default: README.md "
-                        "docs/architecture.md of the working directory)")
+                   help="quality: the text whose perplexity is measured; speculative: the text "
+                        "the questions are about (default: README.md docs/architecture.md of "
+                        "the working directory)")
     p.set_defaults(func=cmd_bench)

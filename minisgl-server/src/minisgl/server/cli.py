@@ -43,6 +43,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default=defaults["kv_cache_dtype"], choices=["auto", "int8"],
                    help="the KV pool's element type: auto (the model's dtype) or int8 (a scale "
                         "per head and token: half the memory of bf16, less for attention to read)")
+    p.add_argument("--speculative-tokens", type=int, default=defaults["speculative_tokens"],
+                   help="prompt-lookup speculative decoding: up to N tokens per decoding request "
+                        "guessed from its own earlier tokens and checked in the same step "
+                        "(default 0: off; needs --no-overlap where overlap is on)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads per rank (default: the physical cores, split among "
@@ -67,7 +71,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "overlap", "mixed_steps", "page_size",
             "num_pages", "kv_cache_memory", "max_running_requests", "max_prefill_tokens",
             "max_model_len", "seed", "tp", "threads", "adapt_threads", "dist_timeout",
-            "quantization", "kv_cache_dtype"]
+            "quantization", "kv_cache_dtype", "speculative_tokens"]
     kw = {k: getattr(args, k) for k in keys}
     if args.compile is not None:  # else EngineConfig's default ($MINISGL_COMPILE or auto)
         kw["compile"] = args.compile

@@ -139,6 +139,7 @@ class SchedulerServer:
                 "held_pages": len(s.kv.held_pages(s.running)),
                 "prompt_tokens": s.stats.prompt_tokens, "cached_tokens": s.stats.cached_tokens,
                 "computed_tokens": s.stats.computed_tokens, "retractions": s.stats.retractions,
+                "draft_tokens": s.stats.draft_tokens, "accepted_tokens": s.stats.accepted_tokens,
                 "integrity": integrity}
 
     # -- the loop ----------------------------------------------------------------------------
