@@ -168,3 +168,30 @@ def test_bench_runs_on_a_checkpoint_without_a_tokenizer(tmp_path: os.PathLike[st
     assert "beside 1 busy processes" in res.stdout and "minisgl vs minisgl-fixed" in res.stdout
     assert not busy_loop_pids()
 
+
+
+@pytest.mark.slow
+def test_bench_speculative_runs_and_counts(smollm2_path: str, tmp_path: os.PathLike[str]) -> None:
+    """`minisgl bench speculative` end to end on a small run: a table row per task and mode,
+    JSON whose counts add up (each request keeps at least one token per step)."""
+    import json
+
+    text = os.path.join(tmp_path, "text.md")
+    para = ("The scheduler keeps a radix tree of every cached prefix, so that a request sharing "
+            "a prefix with an earlier one reuses its pages and computes only its new tokens. ")
+    with open(text, "w") as f:
+        f.write("\n\n".join(para * (2 + i % 3) for i in range(4)))
+    out = os.path.join(tmp_path, "spec.json")
+    res = minisgl("bench", "speculative", "--text", text, "--num-requests", "2", "--scale",
+                  "0.125", "--repeats", "1", "--speculative-tokens", "3", "--json", out)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(open(out).read())
+    assert report["speculative_tokens"] == 3 and report["max_tokens"] == 16
+    assert set(report["results"]) == {f"{k}, {m}" for k in ("quote", "summarize", "question")
+                                      for m in ("one at a time", "all at once")}
+    for mode, r in report["results"].items():
+        assert mode in res.stdout
+        assert r["answers"] == 2 and 0 <= r["identical"] <= 2 and 0 <= r["kept"] <= 1
+        assert r["tokens_per_step"] >= 1 and all(v > 0 for v in r["tok_s"])
+    bad = minisgl("bench", "speculative", "--text", text, "--num-requests", "9")
+    assert bad.returncode != 0 and "num_requests" in bad.stderr and "Traceback" not in bad.stderr
