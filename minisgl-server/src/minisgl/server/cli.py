@@ -26,7 +26,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prefix cache: radix (reuse shared prefixes) or naive (no reuse)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="build the next step on the host while the current one runs "
-                        "(default: on for GPUs, off on CPU)")
+                        "(default: on for GPUs unless --speculative-tokens, off on CPU)")
     p.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill steps also compute a token of every decoding request "
                         "(default: on for CPU, off for GPUs)")
