@@ -178,3 +178,8 @@ def test_bad_speculative_options_name_the_field(tiny_llama: Path) -> None:
         LLM(model=str(tiny_llama), speculative_tokens=-1)
     with pytest.raises(ValueError, match="speculative_tokens.*overlap"):
         LLM(model=str(tiny_llama), speculative_tokens=2, overlap=True)
+    from minisgl.core.config import EngineConfig
+
+    # a GPU's default overlap gives way to drafts (no GPU needed to build the config)
+    assert EngineConfig(model="m", device="cuda").use_overlap
+    assert not EngineConfig(model="m", device="cuda", speculative_tokens=4).use_overlap
