@@ -185,7 +185,8 @@ def test_bench_speculative_runs_and_counts(smollm2_path: str, tmp_path: os.PathL
     res = minisgl("bench", "speculative", "--text", text, "--num-requests", "2", "--scale",
                   "0.125", "--repeats", "1", "--speculative-tokens", "3", "--json", out)
     assert res.returncode == 0, res.stderr
-    report = json.loads(open(out).read())
+    with open(out) as f:
+        report = json.load(f)
     assert report["speculative_tokens"] == 3 and report["max_tokens"] == 16
     assert set(report["results"]) == {f"{k}, {m}" for k in ("quote", "summarize", "question")
                                       for m in ("one at a time", "all at once")}

@@ -931,6 +931,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     compare_list(args.compare)  # a bad peer or --sampling fails before anything loads
+    if args.num_requests is None:  # requests of offline-mixed / online, paragraphs of speculative
+        args.num_requests = 8 if args.workload == "speculative" else 64
     if sampling_spec(args.sampling):
         workloads = WORKLOADS if args.workload == "all" else (args.workload,)
         other = [w for w in workloads if w not in SAMPLED_WORKLOADS]
@@ -1028,8 +1030,9 @@ def add_parser(sub: Any) -> None:
                    help="comma-separated peers: hf (transformers generate, same prompts and "
                         "dtype), llama-cpp (llama-cpp-python, the bundled Q4_1 GGUF, one request "
                         "at a time); default none")
-    p.add_argument("--num-requests", type=int, default=64,
-                   help="offline-mixed request count; speculative: paragraphs (default 8)")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="offline-mixed request count (default 64); speculative: paragraphs "
+                        "(default 8)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply every prompt/output length (e.g. 0.25 for a smoke run)")
     p.add_argument("--repeats", type=int, default=None,

@@ -66,7 +66,7 @@ def cmd_speculative(args: argparse.Namespace) -> int:
 
     text, names = read_text(args.text)
     k = args.speculative_tokens or 4
-    n = args.num_requests if args.num_requests != 64 else 8  # (64: the flag's default)
+    n = args.num_requests
     max_tokens = max(1, round(128 * args.scale))
     repeats = args.repeats or 3
     paras = paragraphs(text, n)
