@@ -160,7 +160,8 @@ def _assert_matches_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim"),
-                         [(3, 3, 64), (2, 2, 128), (1, 8, 32), (4, 1, 64), (2, 4, 256)])
+                         [(3, 3, 64), (2, 2, 128), (1, 8, 32), (4, 1, 64), (2, 4, 256),
+                          (2, 4, 128)])
 def test_matches_float64(case: str, kv_heads: int, group: int, head_dim: int) -> None:
     assert cpu_kernels.load(), cpu_kernels.load_error
     q_lens, kv_lens = [a for a, _ in CASES[case]], [b for _, b in CASES[case]]
