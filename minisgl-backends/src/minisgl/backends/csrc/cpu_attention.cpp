@@ -605,18 +605,22 @@ inline void qk_lanes(const __m512i* qt, const uint16_t* const* krow, int nk, int
   for (int i = 8; i < KB; ++i) out[i] = _mm512_setzero_ps();
 }
 
-// A decode item (one query: G <= 4 rows, its heads) over a bf16 pool, D = 64 or 128: run_item's
-// per-row steps, with O, the sums of p and the references in registers from the item's first key
-// block to its last, where run_item keeps them in memory for any number of rows and runs a
-// block's steps in a lambda. The same arithmetic, in the same order (outputs bit for bit those of
-// run_item, checked over 160 random decode batches). Measured (AMD Zen 5, 2 threads, SmolLM2's
-// heads, 30 layers' pools from DRAM, alternating processes): 1 request x 4,000 keys 91-109 ->
-// 73-81 us per layer, 4 x 1,000 87-110 -> 72-77, 16 x 400 160-181 -> 133-152, 64 x 300 480-496
-// -> 453-475; a decode step (the two alternating in one process): 1 x 4,000 keys 9.25 -> 8.45
-// ms, 16 x 1,000 18.80 -> 17.68, 32 x 600 22.30 -> 21.47, 1 x 400 0.99x. Tried: two or four
-// blocks per step (their scores before the softmax, for overlap): no faster than one; load_block
-// inlined here: 15% faster from cache, ~15% slower from DRAM (the prefetches' timing).
-template <int G, int D>
+// A decode item (one query: G <= 4 rows, its heads), D = 64 or 128, on a bf16 or (Q8) an int8
+// pool: run_item's per-row steps, with O, the sums of p and the references in registers from the
+// item's first key block to its last, where run_item keeps them in memory for any number of rows
+// and runs a block's steps in a lambda. The same arithmetic in the same order: on bf16 pools the
+// outputs are run_item's bit for bit (160 random decode batches); on int8 pools all but a few in
+// 10,000, one bf16 rounding apart (-ffast-math lets the compiler order a score's two scale
+// products differently). Measured (AMD Zen 5, 2 threads, SmolLM2's heads, 30 layers' pools from
+// DRAM, alternating processes), us per layer: bf16 1 request x 4,000 keys 91-109 -> 73-81, 4 x
+// 1,000 87-110 -> 72-77, 16 x 400 160-181 -> 133-152, 64 x 300 480-496 -> 453-475; int8 1 x
+// 4,000 112-118 -> 65-69, 16 x 1,000 319-344 -> 259-267, 64 x 300 404-448 -> 360-386 (now
+// 0.71-0.86x bf16's time: half the bytes). A bf16 decode step (the two alternating in one
+// process): 1 x 4,000 keys 9.25 -> 8.45 ms, 16 x 1,000 18.80 -> 17.68, 32 x 600 22.30 -> 21.47,
+// 1 x 400 0.99x. Tried: two or four blocks per step (their scores before the softmax, for
+// overlap): no faster than one; load_block inlined here: 15% faster from cache, ~15% slower
+// from DRAM.
+template <int G, int D, bool Q8>
 void run_decode(const Item& it, const int32_t* const* qrow, const uint16_t* kh,
                 const uint16_t* vh, const int64_t* srow, int64_t low, float scale2, float* O,
                 float* m, float* l, Ahead& ahead, int64_t per) {
@@ -624,6 +628,15 @@ void run_decode(const Item& it, const int32_t* const* qrow, const uint16_t* kh,
   alignas(64) __m512i kt[P];
   alignas(64) __m512i vp[KB / 2 * Z];
   alignas(64) int32_t pb[G][KB / 2];  // each row's P in key pairs, bf16
+  // an int8 pool's: the queries as int16 pairs and their scales, a block's K and V scales
+  alignas(64) int32_t q2[Q8 ? G : 1][P];
+  alignas(64) float ks[KB], vs[KB];
+  float qscale[G];
+  const int32_t* q2row[G];
+  for (int r = 0; Q8 && r < G; ++r) {
+    quantize_query(reinterpret_cast<const c10::BFloat16*>(qrow[r]), D, q2[r], qscale[r]);
+    q2row[r] = q2[r];
+  }
   __m512 o[G][Z], sums[G];
   float ref[G];
   for (int r = 0; r < G; ++r) {
@@ -633,13 +646,22 @@ void run_decode(const Item& it, const int32_t* const* qrow, const uint16_t* kh,
   }
   const __m512 vscale = _mm512_set1_ps(scale2);
   for (int64_t kb = it.k0; kb < it.k1; kb += KB) {
-    const int nk = load_block(kh, vh, srow, kb, it.k1, D, kt, vp);
+    const int nk = load_block(kh, vh, srow, kb, it.k1, D, kt, vp, nullptr, Q8, nullptr, ks, vs);
     ahead.keys(per);
     int64_t hidden, visible;
     if (!row_lanes(low, it.k1, kb, nk, hidden, visible)) continue;  // (before a window)
     const __mmask16 mask = lane_mask(hidden, visible);
     __m512 s[G];
-    qk_rows<G>(qrow, kt, P, s);
+    if constexpr (Q8) {  // integer sums times both scales
+      __m512i si[G];
+      qk16_rows<G>(q2row, kt, P, si);
+      const __m512 kv = _mm512_load_ps(ks);
+      for (int r = 0; r < G; ++r)
+        s[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(si[r]),
+                             _mm512_mul_ps(kv, _mm512_set1_ps(qscale[r])));
+    } else {
+      qk_rows<G>(qrow, kt, P, s);
+    }
     for (int r = 0; r < G; ++r) {
       const __m512 y = _mm512_mul_ps(s[r], vscale);
       if (ref[r] == NEG_INF || _mm512_mask_cmp_ps_mask(mask, y, _mm512_set1_ps(ref[r] + kLaneLazy),
@@ -654,7 +676,8 @@ void run_decode(const Item& it, const int32_t* const* qrow, const uint16_t* kh,
       }
       const __m512 p = _mm512_maskz_mov_ps(mask, exp2_16(_mm512_sub_ps(y, _mm512_set1_ps(ref[r]))));
       sums[r] = _mm512_add_ps(sums[r], p);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(p));
+      const __m512 pv = Q8 ? _mm512_mul_ps(p, _mm512_load_ps(vs)) : p;  // V's scales (int8)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(pv));
     }
     for (int z = 0; z < Z; ++z)
       for (int r = 0; r < G; ++r) {
@@ -719,13 +742,21 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
   const int64_t blocks = std::max<int64_t>(1, (it.k1 - it.k0 + KB - 1) / KB);  // (0 keys: none)
   const int64_t per = (ahead.k1 - ahead.j + blocks - 1) / blocks;
   const int64_t* srow = slots + it.b * Lk;
-  if (!q8 && it.nq == 1 && it.mn == 0 && R <= 4 && (D == 64 || D == 128)) {  // a decode item
-    static constexpr decltype(&run_decode<1, 64>) kDecode[2][4] = {
-        {&run_decode<1, 64>, &run_decode<2, 64>, &run_decode<3, 64>, &run_decode<4, 64>},
-        {&run_decode<1, 128>, &run_decode<2, 128>, &run_decode<3, 128>, &run_decode<4, 128>}};
-    kDecode[D == 128][R - 1](it, qrow.data(), reinterpret_cast<const uint16_t*>(k) + it.h * S * D,
-                             reinterpret_cast<const uint16_t*>(v) + it.h * S * D, srow, low[0],
-                             scale2, O, m, l, ahead, per);
+  if (it.nq == 1 && it.mn == 0 && R <= 4 && (D == 64 || D == 128)) {  // a decode item
+    using Fn = decltype(&run_decode<1, 64, false>);
+    static constexpr Fn kDecode[2][2][4] = {
+        {{&run_decode<1, 64, false>, &run_decode<2, 64, false>, &run_decode<3, 64, false>,
+          &run_decode<4, 64, false>},
+         {&run_decode<1, 128, false>, &run_decode<2, 128, false>, &run_decode<3, 128, false>,
+          &run_decode<4, 128, false>}},
+        {{&run_decode<1, 64, true>, &run_decode<2, 64, true>, &run_decode<3, 64, true>,
+          &run_decode<4, 64, true>},
+         {&run_decode<1, 128, true>, &run_decode<2, 128, true>, &run_decode<3, 128, true>,
+          &run_decode<4, 128, true>}}};
+    kDecode[q8][D == 128][R - 1](it, qrow.data(),
+                                 reinterpret_cast<const uint16_t*>(k) + it.h * S * Dr,
+                                 reinterpret_cast<const uint16_t*>(v) + it.h * S * Dr, srow,
+                                 low[0], scale2, O, m, l, ahead, per);
     return;
   }
   // rows [0, RL) in lane groups, OT of group g at O + 16 g D (OT[i] at + 16 i); the rest per row
