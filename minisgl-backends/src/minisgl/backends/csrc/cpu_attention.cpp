@@ -617,9 +617,11 @@ inline void qk_lanes(const __m512i* qt, const uint16_t* const* krow, int nk, int
 // 4,000 112-118 -> 65-69, 16 x 1,000 319-344 -> 259-267, 64 x 300 404-448 -> 360-386 (now
 // 0.71-0.86x bf16's time: half the bytes). A bf16 decode step (the two alternating in one
 // process): 1 x 4,000 keys 9.25 -> 8.45 ms, 16 x 1,000 18.80 -> 17.68, 32 x 600 22.30 -> 21.47,
-// 1 x 400 0.99x. Tried: two or four blocks per step (their scores before the softmax, for
-// overlap): no faster than one; load_block inlined here: 15% faster from cache, ~15% slower
-// from DRAM.
+// 1 x 400 0.99x. What gains is the steps' shape known at compile time, in one loop: O loaded and
+// stored per block instead of kept in registers measured the same. Tried: two or four blocks
+// per step (their scores before the softmax, for overlap): no faster than one; load_block and
+// block_rows inlined here, or compiled for the known D (a function of its own): 10-15% faster
+// from cache, 10-40% slower from DRAM (the prefetches' timing, presumably; not found).
 template <int G, int D, bool Q8>
 void run_decode(const Item& it, const int32_t* const* qrow, const uint16_t* kh,
                 const uint16_t* vh, const int64_t* srow, int64_t low, float scale2, float* O,
