@@ -31,6 +31,22 @@ def test_decode_bytes_count_the_checkpoint_weights(smollm2_path: str) -> None:
     assert ModelCost.from_config(mc, torch.float32).decode_bytes() == 4 * (proj + embed)
 
 
+@pytest.mark.parametrize(("dtype", "kv_cache_dtype"),
+                         [(torch.bfloat16, "auto"), (torch.bfloat16, "int8"),
+                          (torch.float32, "auto")])
+def test_kv_bytes_per_token_are_the_pools(smollm2_path: str, dtype: torch.dtype,
+                                          kv_cache_dtype: str) -> None:
+    """What a decode step reads of K/V per token of context: the bytes of one slot over every
+    layer's K and V tensors of a real KV pool of the model (int8 records with their scales)."""
+    from minisgl.core.kvcache import KVPool
+
+    mc = ModelConfig.from_pretrained(smollm2_path)
+    pool = KVPool(mc.num_layers, 2, 16, mc.num_kv_heads, mc.head_dim, dtype, torch.device("cpu"),
+                  torch.int8 if kv_cache_dtype == "int8" else None)
+    per_slot = sum(t.element_size() * t.shape[0] * t.shape[2] for t in pool.k + pool.v)
+    assert ModelCost.from_config(mc, dtype, None, kv_cache_dtype).kv_bytes_per_token == per_slot
+
+
 class _FixedSpeed:
     """A system whose decode takes ``ms`` per token after a 10 ms first token (``decode_bytes``:
     the weights a step of it reads, where its format is its own; None: the model's)."""
@@ -105,6 +121,40 @@ def test_latency_takes_a_system_own_weight_bytes_for_its_floor(monkeypatch) -> N
     assert decode["q4"].fraction_of_ceiling == pytest.approx(1.25 / 4.0)
     assert decode["q4"].details["weight_bytes_per_token"] == 50_000_000
     assert decode["q4"].details["fraction_of_read_beside"] == pytest.approx(2.5 / 4.0)
+
+
+def test_latency_floor_counts_the_context_kv(monkeypatch) -> None:
+    """--decode-context: the decode's prompt is that long, its metric says so, and its floor is
+    the weights plus the K/V of the context at the decode's middle (prompt + half the output),
+    per system (a cache of its own says its bytes per token); the TTFT's prompt is that long."""
+    monkeypatch.setattr(bench, "measure_read", lambda probe: 20e9)
+    monkeypatch.setattr(bench, "measure_matmul", lambda ceilings, device: 1e12)
+    monkeypatch.setattr(bench, "READ_PROBE_BYTES", 1 << 12)
+    prompts: list[int] = []
+
+    class _Seen(_FixedSpeed):
+        def run_single(self, prompt: list[int], n_out: int) -> Timing:
+            prompts.append(len(prompt))
+            return super().run_single(prompt, n_out)
+
+    cost = ModelCost(layer_params=60_000_000, lm_head_params=40_000_000, num_layers=2,
+                     attn_width=64, bytes_per_param=2, kv_bytes_per_token=100_000)
+    own = _Seen("own-cache", 8.0)
+    own.kv_bytes_per_token = 300_000  # type: ignore[attr-defined]
+    rows = bench.bench_latency([_Seen("model", 8.0), own], list(range(100, 200)), 0.1, 1, 0,
+                               cost, {"mem_read_bytes_per_s": 40e9, "matmul_flops": 1e12},
+                               decode_context=2000)
+    plen, n_out = 200, 13  # 2,000 and 128 tokens at scale 0.1
+    assert prompts[0::2] == [plen, plen]  # (each system's second run is the long prefill)
+    decode = {r.system: r for r in rows if r.metric == f"decode ms/token ({plen}-tok context)"}
+    for name, kv in (("model", 100_000), ("own-cache", 300_000)):
+        step = 200_000_000 + kv * (plen + n_out // 2)
+        assert decode[name].details["bytes_per_step"] == step
+        assert decode[name].ceiling == pytest.approx(step / 40e9 * 1e3)
+        assert decode[name].details["fraction_of_read_beside"] == pytest.approx(
+            step / 20e9 * 1e3 / 8.0)
+    assert {r.metric for r in rows if r.metric.startswith("TTFT")} == {
+        f"TTFT ms ({plen}-tok prompt)"}
 
 
 def test_measure_matmul_reports_a_plausible_rate() -> None:

@@ -144,16 +144,25 @@ def test_bench_runs_on_a_checkpoint_without_a_tokenizer(tmp_path: os.PathLike[st
 
     # a longer prefill (max_position_embeddings 512): its length in the metric, its FLOPs in the
     # ceiling; past the model's length or not positive, a clear error naming the flag
+    # and a decode after a longer prompt (--decode-context), its context in the metric
     res = minisgl("bench", "latency", "--model", model_dir, "--compile", "off", "--scale", "0.1",
-                  "--repeats", "1", "--prefill-tokens", "4000", "--json", out)
+                  "--repeats", "1", "--prefill-tokens", "4000", "--decode-context", "3000",
+                  "--json", out)
     assert res.returncode == 0, res.stderr[-3000:]
     with open(out) as f:
         rows = {r["metric"]: r for r in json.load(f)["results"]}
     assert rows["prefill tok/s (400 tok)"]["value"] > 0
-    for bad, words in (("6000", "prefill_tokens: 600 tokens is more than the model takes (512)"),
-                       ("0", "--prefill-tokens: must be at least 1")):
+    assert rows["decode ms/token (300-tok context)"]["details"]["context_tokens"] == 300
+    assert rows["TTFT ms (300-tok prompt)"]["value"] > 0
+    for flag, bad, words in (
+            ("--prefill-tokens", "6000",
+             "prefill_tokens: 600 tokens is more than the model takes (512)"),
+            ("--prefill-tokens", "0", "--prefill-tokens: must be at least 1"),
+            ("--decode-context", "5000",  # 500 + 13 decoded
+             "decode_context: 513 tokens is more than the model takes (512)"),
+            ("--decode-context", "0", "--decode-context: must be at least 1")):
         res = minisgl("bench", "latency", "--model", model_dir, "--compile", "off", "--scale",
-                      "0.1", "--prefill-tokens", bad)
+                      "0.1", flag, bad)
         assert res.returncode == 2 and words in res.stderr, res.stderr[-2000:]
         assert "Traceback" not in res.stderr
 

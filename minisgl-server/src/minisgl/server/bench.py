@@ -8,7 +8,8 @@ Workloads (``--scale`` multiplies every length, ``--num-requests`` the request c
   output tokens.
 * ``latency``: one 128-token prompt, 128 output tokens: decode ms/token measured apart from the
   prefill (time to first token, then the rest / (n - 1)); plus one 1024-token prefill
-  (``--prefill-tokens``: a longer prompt, where attention weighs more).
+  (``--prefill-tokens``: a longer prompt, where attention weighs more). ``--decode-context N``:
+  an N-token prompt before the decode instead, where the K/V read per step weighs more.
 * ``shared-prefix``: 8 groups x 8 prompts sharing a 1024-token system prompt per group, 64-token
   questions, 32 output tokens, all at once: throughput and mean TTFT with the radix cache, with
   ``--cache naive`` (system ``minisgl-naive``), and HF (bench_prefix.py).
@@ -257,20 +258,25 @@ class ModelCost:
     num_layers: int
     attn_width: int  # num_heads * head_dim
     bytes_per_param: int
+    kv_bytes_per_token: int = 0  # K and V of one token in the KV pool, all layers
+
 
     @classmethod
-    def from_config(cls, mc: Any, dtype: torch.dtype, quantization: str | None = None
-                    ) -> ModelCost:
+    def from_config(cls, mc: Any, dtype: torch.dtype, quantization: str | None = None,
+                    kv_cache_dtype: str = "auto") -> ModelCost:
         """``quantization="int8"``: one byte per weight (every linear layer and the LM head;
-        the per-row scales are ignored)."""
+        the per-row scales are ignored). ``kv_cache_dtype="int8"``: K/V rows of head_dim bytes
+        and a float32 scale (the pool's records); else head_dim values of ``dtype``."""
         import torch
 
         d, hd = mc.hidden_size, mc.head_dim
         attn = d * hd * (2 * mc.num_heads + 2 * mc.num_kv_heads)
         mlp = 3 * d * mc.intermediate_size
-        size = 1 if quantization == "int8" else torch.empty(0, dtype=dtype).element_size()
+        element = torch.empty(0, dtype=dtype).element_size()
+        size = 1 if quantization == "int8" else element
+        row = hd + 4 if kv_cache_dtype == "int8" else hd * element
         return cls(mc.num_layers * (attn + mlp), mc.vocab_size * d, mc.num_layers,
-                   mc.num_heads * hd, size)
+                   mc.num_heads * hd, size, mc.num_layers * 2 * mc.num_kv_heads * row)
 
     def decode_bytes(self) -> int:
         """Weights read by one batch-1 decode step (the lm_head once, tied or not)."""
@@ -399,6 +405,7 @@ class _TokenClock:
 
 class HFSystem:
     name = "hf"
+    kv_bytes_per_token: int | None = None  # its cache's, per token of context (bench_latency)
 
     def __init__(self, model_dir: str, dtype: torch.dtype, pad_id: int, batch_size: int,
                  device: torch.device | None = None,
@@ -469,6 +476,7 @@ class LlamaCppSystem:
     """
 
     name = "llama-cpp"
+    kv_bytes_per_token: int | None = None  # its f16 cache's, per token of context
 
     def __init__(self, gguf: str, threads: int, n_ctx: int = 4096,
                  sampling: dict[str, float] | None = None) -> None:
@@ -597,14 +605,22 @@ def bench_burst(systems: Sequence[System], ids: Sequence[int], scale: float, rep
 
 def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, repeats: int,
                   seed: int, cost: ModelCost, ceilings: dict[str, float],
-                  device: torch.device | None = None, prefill_tokens: int = 1024) -> list[Row]:
+                  device: torch.device | None = None, prefill_tokens: int = 1024,
+                  decode_context: int = 128) -> list[Row]:
     import torch
 
     device = device or torch.device("cpu")
-    plen, n_out = _scaled(128, scale), max(2, _scaled(128, scale))
+    plen, n_out = _scaled(decode_context, scale), max(2, _scaled(128, scale))
     long_len = _scaled(prefill_tokens, scale)
-    # a system in a weight format of its own (llama.cpp's GGUF) says what a decode step reads
+    # What a decode step reads: the weights (a system in a format of its own, llama.cpp's GGUF,
+    # says how many bytes) and the K/V of its context, taken at the decode's middle (a system
+    # with a cache of its own, llama.cpp's f16 one, says its bytes per token).
     weights = {s.name: getattr(s, "decode_bytes", None) or cost.decode_bytes() for s in systems}
+    kv = {s.name: getattr(s, "kv_bytes_per_token", None) or cost.kv_bytes_per_token
+          for s in systems}
+    step = {name: weights[name] + kv[name] * (plen + n_out // 2) for name in weights}
+    decode_metric = "decode ms/token" + ("" if decode_context == 128 else
+                                         f" ({plen}-tok context)")
     prefill_ceiling = long_len / (cost.prefill_flops(0, long_len) / ceilings["matmul_flops"])
     runs: dict[str, dict[str, list[float]]] = {
         s.name: {"decode": [], "ttft": [], "prefill": [], "read": [], "matmul": []}
@@ -633,13 +649,14 @@ def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, r
     rows = []
     for name, got in runs.items():
         rows += [
-            Row("latency", name, "decode ms/token", statistics.median(got["decode"]), False,
-                ceiling=weights[name] / ceilings["mem_read_bytes_per_s"] * 1e3, details={
-                    "runs": got["decode"], "output_tokens": n_out,
+            Row("latency", name, decode_metric, statistics.median(got["decode"]), False,
+                ceiling=step[name] / ceilings["mem_read_bytes_per_s"] * 1e3, details={
+                    "runs": got["decode"], "output_tokens": n_out, "context_tokens": plen,
                     "weight_bytes_per_token": weights[name],
+                    "kv_bytes_per_context_token": kv[name], "bytes_per_step": step[name],
                     "read_bytes_per_s_beside": got["read"],
                     "fraction_of_read_beside": statistics.median(
-                        weights[name] / read * 1e3 / ms
+                        step[name] / read * 1e3 / ms
                         for read, ms in zip(got["read"], got["decode"]))}),
             Row("latency", name, f"TTFT ms ({plen}-tok prompt)", statistics.median(got["ttft"]),
                 False, details={"runs": got["ttft"]}),
@@ -840,10 +857,14 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
     log(f"loading minisgl ({args.model})")
     llm = LLM(model=args.model, **kw)
     long_len = _scaled(args.prefill_tokens, args.scale)  # bench_latency's long prompt
-    if args.workload in ("latency", "all") and long_len > llm.engine.max_model_len:
-        llm.close()
-        raise ValueError(f"prefill_tokens: {long_len} tokens is more than the model takes "
-                         f"({llm.engine.max_model_len})")
+    # and its decode: the prompt, then 128 tokens
+    decode_len = _scaled(args.decode_context, args.scale) + max(2, _scaled(128, args.scale))
+    if args.workload in ("latency", "all"):
+        for field, n in (("prefill_tokens", long_len), ("decode_context", decode_len)):
+            if n > llm.engine.max_model_len:
+                llm.close()
+                raise ValueError(f"{field}: {n} tokens is more than the model takes "
+                                 f"({llm.engine.max_model_len})")
     settle_compile(args, llm)
     kw = bench_engine_kwargs(args)
     sampling = sampling_spec(args.sampling)
@@ -865,17 +886,26 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
             raise RuntimeError("--compare llama-cpp needs llama-cpp-python: pip install "
                                "llama-cpp-python")
         log("loading llama.cpp (llama-cpp-python) on the bundled Q4_1 GGUF")
-        systems.append(LlamaCppSystem(str(_locate_gguf()), args.threads or torch.get_num_threads(),
-                                      n_ctx=max(4096, long_len + 16),
-                                      sampling=sampling))
+        lcpp = LlamaCppSystem(str(_locate_gguf()), args.threads or torch.get_num_threads(),
+                              n_ctx=max(4096, long_len + 16, decode_len + 16), sampling=sampling)
+        lcpp.kv_bytes_per_token = _kv_values(llm) * 2  # its cache: f16 K and V
+        systems.append(lcpp)
     if "hf" in peers:
         log("loading HF transformers model")
         pad = getattr(llm.tokenizer, "pad_token_id", None)
         if pad is None:
             pad = llm.engine.model_config.eos_token_ids[0]
-        systems.append(HFSystem(llm.engine.model_config.path, llm.engine.dtype, int(pad),
-                                args.hf_batch_size, llm.engine.device, sampling))
+        hf = HFSystem(llm.engine.model_config.path, llm.engine.dtype, int(pad),
+                      args.hf_batch_size, llm.engine.device, sampling)
+        hf.kv_bytes_per_token = _kv_values(llm) * llm.engine.dtype.itemsize  # the model's dtype
+        systems.append(hf)
     return llm, systems
+
+
+def _kv_values(llm: Any) -> int:
+    """K and V values of one token over all layers."""
+    mc = llm.engine.model_config
+    return int(mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim)
 
 
 def _run_workloads(args: argparse.Namespace, workloads: Sequence[str], systems: Sequence[System],
@@ -904,7 +934,8 @@ def _run_workloads(args: argparse.Namespace, workloads: Sequence[str], systems: 
                     rows += bench_online(args, s, list(ids))
         else:
             rows += bench_latency(systems, ids, args.scale, args.repeats or 3, args.data_seed,
-                                  cost, ceilings, torch.device(args.device), args.prefill_tokens)
+                                  cost, ceilings, torch.device(args.device), args.prefill_tokens,
+                                  args.decode_context)
     return rows
 
 
@@ -971,7 +1002,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         info["busy_processes"] = args.busy
     print(machine_line(info, ceilings), flush=True)
     cost = ModelCost.from_config(llm.engine.model_config, llm.engine.dtype,
-                                 llm.engine.config.quantization)
+                                 llm.engine.config.quantization, llm.engine.config.kv_cache_dtype)
     mc = llm.engine.model_config
     ids = normal_token_ids(llm.tokenizer, mc.vocab_size, mc.eos_token_ids)
     workloads = WORKLOADS if args.workload == "all" else (args.workload,)
@@ -1051,6 +1082,9 @@ def add_parser(sub: Any) -> None:
                         "(measured after the ceilings)")
     p.add_argument("--prefill-tokens", type=_positive, default=1024, metavar="N",
                    help="latency: the long prompt's length, prefilled once (default 1024)")
+    p.add_argument("--decode-context", type=_positive, default=128, metavar="N",
+                   help="latency: the prompt's length before the 128 decoded tokens (default "
+                        "128); the decode's floor counts the K/V its steps read")
     p.add_argument("--data-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH",
