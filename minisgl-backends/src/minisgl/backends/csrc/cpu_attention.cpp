@@ -605,6 +605,35 @@ inline void qk_lanes(const __m512i* qt, const uint16_t* const* krow, int nk, int
   for (int i = 8; i < KB; ++i) out[i] = _mm512_setzero_ps();
 }
 
+// The per-row steps' (run_item's and run_decode's) pieces for one row and one key block.
+// A row's scores over an int8 pool: its integer sums times the keys' scales and its query's.
+inline __m512 int8_scores(__m512i sums, __m512 kscale, float qscale) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(kscale, _mm512_set1_ps(qscale)));
+}
+
+// The online softmax of a row's scores y (in base 2) on the lanes it sees (mask), as
+// lane_softmax: its reference `ref` moves only on the row's first keys or where a score passes
+// it by more than kLaneLazy, and only then are its sums and O rescaled, by rescale(2^(old -
+// new)); the sums stay by lane: no horizontal max nor sum per block. p = 2^(y - ref), 0 on the
+// lanes it does not see.
+template <class Rescale>
+__attribute__((always_inline)) inline __m512 row_softmax(__m512 y, __mmask16 mask, float& ref,
+                                                         const Rescale& rescale) {
+  if (ref == NEG_INF ||
+      _mm512_mask_cmp_ps_mask(mask, y, _mm512_set1_ps(ref + kLaneLazy), _CMP_GT_OQ)) {
+    const float mx = _mm512_mask_reduce_max_ps(mask, y);
+    if (ref != NEG_INF) rescale(exp2_16(_mm512_set1_ps(ref - mx)));
+    ref = mx;
+  }
+  return _mm512_maskz_mov_ps(mask, exp2_16(_mm512_sub_ps(y, _mm512_set1_ps(ref))));
+}
+
+// p as P V takes it, 16 bf16 at pb: times V's scales over an int8 pool (vs; null for bf16).
+inline void store_p(__m512 p, const float* vs, void* pb) {
+  const __m512 pv = vs != nullptr ? _mm512_mul_ps(p, _mm512_load_ps(vs)) : p;
+  _mm256_storeu_si256(static_cast<__m256i*>(pb), (__m256i)_mm512_cvtneps_pbh(pv));
+}
+
 // A decode item (one query: G <= 4 rows, its heads), D = 64 or 128, on a bf16 or (Q8) an int8
 // pool: run_item's per-row steps, with O, the sums of p and the references in registers from the
 // item's first key block to its last, where run_item keeps them in memory for any number of rows
@@ -658,28 +687,17 @@ void run_decode(const Item& it, const int32_t* const* qrow, const uint16_t* kh,
       __m512i si[G];
       qk16_rows<G>(q2row, kt, P, si);
       const __m512 kv = _mm512_load_ps(ks);
-      for (int r = 0; r < G; ++r)
-        s[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(si[r]),
-                             _mm512_mul_ps(kv, _mm512_set1_ps(qscale[r])));
+      for (int r = 0; r < G; ++r) s[r] = int8_scores(si[r], kv, qscale[r]);
     } else {
       qk_rows<G>(qrow, kt, P, s);
     }
     for (int r = 0; r < G; ++r) {
-      const __m512 y = _mm512_mul_ps(s[r], vscale);
-      if (ref[r] == NEG_INF || _mm512_mask_cmp_ps_mask(mask, y, _mm512_set1_ps(ref[r] + kLaneLazy),
-                                                        _CMP_GT_OQ)) {
-        const float mx = _mm512_mask_reduce_max_ps(mask, y);
-        if (ref[r] != NEG_INF) {
-          const __m512 corr = exp2_16(_mm512_set1_ps(ref[r] - mx));
-          sums[r] = _mm512_mul_ps(sums[r], corr);
-          for (int z = 0; z < Z; ++z) o[r][z] = _mm512_mul_ps(o[r][z], corr);
-        }
-        ref[r] = mx;
-      }
-      const __m512 p = _mm512_maskz_mov_ps(mask, exp2_16(_mm512_sub_ps(y, _mm512_set1_ps(ref[r]))));
+      const __m512 p = row_softmax(_mm512_mul_ps(s[r], vscale), mask, ref[r], [&](__m512 corr) {
+        sums[r] = _mm512_mul_ps(sums[r], corr);
+        for (int z = 0; z < Z; ++z) o[r][z] = _mm512_mul_ps(o[r][z], corr);
+      });
       sums[r] = _mm512_add_ps(sums[r], p);
-      const __m512 pv = Q8 ? _mm512_mul_ps(p, _mm512_load_ps(vs)) : p;  // V's scales (int8)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(pv));
+      store_p(p, Q8 ? vs : nullptr, pb[r]);
     }
     for (int z = 0; z < Z; ++z)
       for (int r = 0; r < G; ++r) {
@@ -744,6 +762,8 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
   const int64_t blocks = std::max<int64_t>(1, (it.k1 - it.k0 + KB - 1) / KB);  // (0 keys: none)
   const int64_t per = (ahead.k1 - ahead.j + blocks - 1) / blocks;
   const int64_t* srow = slots + it.b * Lk;
+  const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * Dr;
+  const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * Dr;
   if (it.nq == 1 && it.mn == 0 && R <= 4 && (D == 64 || D == 128)) {  // a decode item
     using Fn = decltype(&run_decode<1, 64, false>);
     static constexpr Fn kDecode[2][2][4] = {
@@ -755,10 +775,8 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
           &run_decode<4, 64, true>},
          {&run_decode<1, 128, true>, &run_decode<2, 128, true>, &run_decode<3, 128, true>,
           &run_decode<4, 128, true>}}};
-    kDecode[q8][D == 128][R - 1](it, qrow.data(),
-                                 reinterpret_cast<const uint16_t*>(k) + it.h * S * Dr,
-                                 reinterpret_cast<const uint16_t*>(v) + it.h * S * Dr, srow,
-                                 low[0], scale2, O, m, l, ahead, per);
+    kDecode[q8][D == 128][R - 1](it, qrow.data(), kh, vh, srow, low[0], scale2, O, m, l, ahead,
+                                 per);
     return;
   }
   // rows [0, RL) in lane groups, OT of group g at O + 16 g D (OT[i] at + 16 i); the rest per row
@@ -784,8 +802,6 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
     quantize_query(q + qoff[r], D, q2[r], qscale[r]);
     q2row[r] = q2[r];
   }
-  const uint16_t* kh = reinterpret_cast<const uint16_t*>(k) + it.h * S * Dr;
-  const uint16_t* vh = reinterpret_cast<const uint16_t*>(v) + it.h * S * Dr;
   // One key block for the per-row rows [RL, R), 16 at a time: its K transposed in kt, its V in
   // key pairs at vb.
   auto row_block = [&](int64_t kb, int nk, const __m512i* vb, const float* vs) {
@@ -796,9 +812,7 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
         __m512i si[16];
         qk16_dispatch(nr, q2row + r0, kt, P, si);
         const __m512 kv = _mm512_load_ps(kscale);
-        for (int rr = 0; rr < nr; ++rr)
-          s[rr] = _mm512_mul_ps(_mm512_cvtepi32_ps(si[rr]),
-                                _mm512_mul_ps(kv, _mm512_set1_ps(qscale[r0 + rr])));
+        for (int rr = 0; rr < nr; ++rr) s[rr] = int8_scores(si[rr], kv, qscale[r0 + rr]);
       } else {
         qk_dispatch(nr, qrow.data() + r0, kt, P, s);
       }
@@ -809,28 +823,15 @@ void run_item(const Item& it, const c10::BFloat16* q, const c10::BFloat16* k,
           std::memset(pb[r], 0, sizeof(pb[r]));
           continue;
         }
-        // In base 2 against a reference, as lane_softmax: m[r] moves only on the row's first
-        // keys or where a score it sees passes it by more than kLaneLazy, and only then are its
-        // sums and O rescaled; the sums stay by lane (l[r] at the end): no horizontal max nor
-        // sum per block.
-        const __mmask16 mask = lane_mask(hidden, visible);
+        // (the sums by lane: l[r] at the end)
         const __m512 y = _mm512_mul_ps(s[rr], _mm512_set1_ps(scale2));
-        if (m[r] == NEG_INF ||
-            _mm512_mask_cmp_ps_mask(mask, y, _mm512_set1_ps(m[r] + kLaneLazy), _CMP_GT_OQ)) {
-          const float mx = _mm512_mask_reduce_max_ps(mask, y);
-          if (m[r] != NEG_INF) {
-            const __m512 corr = exp2_16(_mm512_set1_ps(m[r] - mx));
-            _mm512_store_ps(lsum[r], _mm512_mul_ps(_mm512_load_ps(lsum[r]), corr));
-            for (int64_t z = 0; z < D; z += 16)
-              _mm512_storeu_ps(O + r * D + z, _mm512_mul_ps(_mm512_loadu_ps(O + r * D + z), corr));
-          }
-          m[r] = mx;
-        }
-        const __m512 p =
-            _mm512_maskz_mov_ps(mask, exp2_16(_mm512_sub_ps(y, _mm512_set1_ps(m[r]))));
+        const __m512 p = row_softmax(y, lane_mask(hidden, visible), m[r], [&](__m512 corr) {
+          _mm512_store_ps(lsum[r], _mm512_mul_ps(_mm512_load_ps(lsum[r]), corr));
+          for (int64_t z = 0; z < D; z += 16)
+            _mm512_storeu_ps(O + r * D + z, _mm512_mul_ps(_mm512_loadu_ps(O + r * D + z), corr));
+        });
         _mm512_store_ps(lsum[r], _mm512_add_ps(_mm512_load_ps(lsum[r]), p));
-        const __m512 pv = q8 ? _mm512_mul_ps(p, _mm512_load_ps(vs)) : p;  // V's scales (int8)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(pv));
+        store_p(p, q8 ? vs : nullptr, pb[r]);
       }
     }
     // O += P V for the per-row rows, one 16-dim slice at a time with its 8 key-pair vectors in
