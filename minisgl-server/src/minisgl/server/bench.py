@@ -260,7 +260,6 @@ class ModelCost:
     bytes_per_param: int
     kv_bytes_per_token: int = 0  # K and V of one token in the KV pool, all layers
 
-
     @classmethod
     def from_config(cls, mc: Any, dtype: torch.dtype, quantization: str | None = None,
                     kv_cache_dtype: str = "auto") -> ModelCost:
@@ -603,6 +602,14 @@ def bench_burst(systems: Sequence[System], ids: Sequence[int], scale: float, rep
                 details={"runs": v}) for name, v in runs.items()]
 
 
+def latency_lengths(scale: float, decode_context: int = 128, prefill_tokens: int = 1024
+                    ) -> tuple[int, int, int]:
+    """bench_latency's lengths: the prompt before the decode, the tokens decoded, the long
+    prompt prefilled."""
+    return (_scaled(decode_context, scale), max(2, _scaled(128, scale)),
+            _scaled(prefill_tokens, scale))
+
+
 def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, repeats: int,
                   seed: int, cost: ModelCost, ceilings: dict[str, float],
                   device: torch.device | None = None, prefill_tokens: int = 1024,
@@ -610,8 +617,7 @@ def bench_latency(systems: Sequence[System], ids: Sequence[int], scale: float, r
     import torch
 
     device = device or torch.device("cpu")
-    plen, n_out = _scaled(decode_context, scale), max(2, _scaled(128, scale))
-    long_len = _scaled(prefill_tokens, scale)
+    plen, n_out, long_len = latency_lengths(scale, decode_context, prefill_tokens)
     # What a decode step reads: the weights (a system in a format of its own, llama.cpp's GGUF,
     # says how many bytes) and the K/V of its context, taken at the decode's middle (a system
     # with a cache of its own, llama.cpp's f16 one, says its bytes per token).
@@ -856,9 +862,9 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
     kw = bench_engine_kwargs(args)
     log(f"loading minisgl ({args.model})")
     llm = LLM(model=args.model, **kw)
-    long_len = _scaled(args.prefill_tokens, args.scale)  # bench_latency's long prompt
-    # and its decode: the prompt, then 128 tokens
-    decode_len = _scaled(args.decode_context, args.scale) + max(2, _scaled(128, args.scale))
+    mc = llm.engine.model_config
+    plen, n_out, long_len = latency_lengths(args.scale, args.decode_context, args.prefill_tokens)
+    decode_len = plen + n_out
     if args.workload in ("latency", "all"):
         for field, n in (("prefill_tokens", long_len), ("decode_context", decode_len)):
             if n > llm.engine.max_model_len:
@@ -888,24 +894,20 @@ def _load_systems(args: argparse.Namespace) -> tuple[Any, list[System]]:
         log("loading llama.cpp (llama-cpp-python) on the bundled Q4_1 GGUF")
         lcpp = LlamaCppSystem(str(_locate_gguf()), args.threads or torch.get_num_threads(),
                               n_ctx=max(4096, long_len + 16, decode_len + 16), sampling=sampling)
-        lcpp.kv_bytes_per_token = _kv_values(llm) * 2  # its cache: f16 K and V
+        # its cache: f16 K and V
+        lcpp.kv_bytes_per_token = ModelCost.from_config(mc, torch.float16).kv_bytes_per_token
         systems.append(lcpp)
     if "hf" in peers:
         log("loading HF transformers model")
         pad = getattr(llm.tokenizer, "pad_token_id", None)
         if pad is None:
-            pad = llm.engine.model_config.eos_token_ids[0]
-        hf = HFSystem(llm.engine.model_config.path, llm.engine.dtype, int(pad),
+            pad = mc.eos_token_ids[0]
+        hf = HFSystem(mc.path, llm.engine.dtype, int(pad),
                       args.hf_batch_size, llm.engine.device, sampling)
-        hf.kv_bytes_per_token = _kv_values(llm) * llm.engine.dtype.itemsize  # the model's dtype
+        # its cache: the model's dtype
+        hf.kv_bytes_per_token = ModelCost.from_config(mc, llm.engine.dtype).kv_bytes_per_token
         systems.append(hf)
     return llm, systems
-
-
-def _kv_values(llm: Any) -> int:
-    """K and V values of one token over all layers."""
-    mc = llm.engine.model_config
-    return int(mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim)
 
 
 def _run_workloads(args: argparse.Namespace, workloads: Sequence[str], systems: Sequence[System],
