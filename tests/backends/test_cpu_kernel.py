@@ -985,7 +985,7 @@ def test_bf16_linear_in_quant_uses_the_kernel(monkeypatch: pytest.MonkeyPatch) -
     ops = torch.ops.minisgl_cpu
     assert quant._bf16_linear == (ops.bf16_pack.default, ops.bf16_linear.default,
                                   ops.bf16_linear_silu.default)
-    assert quant._bf16_rows is cpu_kernels.packed_rows
+    assert quant._bf16_rows is cpu_kernels.packed_rows and quant._bf16_widens
     with pytest.raises(ValueError, match="needs its linear"):
         quant.register_bf16_linear(ops.bf16_pack.default)
     g = torch.Generator().manual_seed(2)
@@ -1068,7 +1068,7 @@ def test_tied_embedding_reads_the_packed_lm_head() -> None:
     assert model.embed.rows_packed is model.head.packed
     assert torch.equal(model.embed(ids), w[ids])
     x = torch.randn(4, 64, generator=g).bfloat16()
-    torch.testing.assert_close(model.head.compute_logits(x), F.linear(x, w), atol=0.0625,
+    torch.testing.assert_close(model.head.compute_logits(x), F.linear(x, w).float(), atol=0.0625,
                                rtol=2 ** -7)
     int8 = Tied()
     assert quant.quantize_model_int8(int8) == 1
@@ -1091,6 +1091,72 @@ def test_bf16_linear_bad_inputs_are_refused() -> None:
         ops.bf16_linear(x, packed, 33)
     with pytest.raises(RuntimeError, match="bf16"):
         ops.bf16_linear(x.float(), packed, 20)
+    with pytest.raises(RuntimeError, match="out_dtype"):
+        ops.bf16_linear(x, packed, 20, torch.float16)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_linears_widen_to_float32_in_the_call(int8: bool, rows: int) -> None:
+    """``out_dtype=float32``: the bf16 result's values, exactly (what ``.float()`` of it gives);
+    a layer's ``matmul(x, torch.float32)`` asks the registered kernel for them (the LM head's
+    logits), and without a widening kernel gets the same values through ``.to``."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    ops = torch.ops.minisgl_cpu
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(1000, 96, generator=g).bfloat16()
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    if int8:
+        q, sc = quant.quantize_rows(w)
+        packed = ops.int8_pack(q)
+        y, f = ops.int8_linear(x, packed, sc, 1000), ops.int8_linear(x, packed, sc, 1000,
+                                                                    torch.float32)
+    else:
+        packed = ops.bf16_pack(w)
+        y, f = ops.bf16_linear(x, packed, 1000), ops.bf16_linear(x, packed, 1000, torch.float32)
+    assert y.dtype == torch.bfloat16 and f.dtype == torch.float32
+    assert torch.equal(f, y.float())
+    m = quant.QuantizableLinear()
+    m.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    m.quantize_int8() if int8 else m.prepack()
+    assert m.widens
+    got = m.matmul(x.reshape(1, rows, 96), torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (1, rows, 1000)
+    assert torch.equal(got[0], m.matmul(x).float())
+    m.widens = False  # a registered kernel that does not widen: .to after it
+    assert torch.equal(m.matmul(x, torch.float32), got[0])
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (3, 64), (40, 1024), (5, 100), (2, 3, 128)])
+def test_rms_norm_kernel_matches_the_module(shape: tuple[int, ...]) -> None:
+    """``rms_norm``, registered for the model's eager norms: RMSNorm.forward's pair, the
+    residual sum bit for bit and the normalized rows as its ops round them (float32 sums in
+    another order: at most one bf16 rounding apart, here none), with and without a residual,
+    on rows of any width and on [.., heads, d] (Qwen3's per-head norms)."""
+    from minisgl.core.layers import norm
+
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    assert norm._kernel is torch.ops.minisgl_cpu.rms_norm.default
+    g = torch.Generator().manual_seed(sum(shape))
+    m = norm.RMSNorm(shape[-1], 1e-5).to(torch.bfloat16)
+    m.weight.data = torch.randn(shape[-1], generator=g).bfloat16()
+    x = (torch.randn(shape, generator=g) * 3).bfloat16()
+    res = torch.randn(shape, generator=g).bfloat16()
+    for residual in (None, res):
+        y, r = m(x, residual)
+        want_r = x if residual is None else x + residual
+        want_y = m._norm(want_r)  # the PyTorch ops
+        assert torch.equal(r, want_r)
+        assert y.dtype == torch.bfloat16 and y.shape == x.shape
+        torch.testing.assert_close(y, want_y, atol=0, rtol=2 ** -7)
+        assert (y != want_y).sum() <= y.numel() // 1000
+    with pytest.raises(RuntimeError, match="bf16"):
+        torch.ops.minisgl_cpu.rms_norm(x.float(), None, m.weight, 1e-5)
+    with pytest.raises(RuntimeError, match="residual"):
+        torch.ops.minisgl_cpu.rms_norm(x, res[..., :1], m.weight, 1e-5)
+    m32 = norm.RMSNorm(shape[-1], 1e-5)  # float32 rows: the PyTorch ops
+    x32 = x.float()
+    assert torch.equal(m32(x32)[0], m32._norm(x32))
 
 
 @pytest.mark.parametrize("cols", [1, 7, 16, 100, 49152])

@@ -82,10 +82,13 @@ def test_no_token_after_finish_and_no_page_freed_in_flight(tiny_dirs: dict[str, 
     params = params_with_stops(path, prompts)
     free, prepare = sched.engine.allocator.free, sched.engine.prepare
     writes: dict[int, set[int]] = {}  # id(batch) -> pages its step writes K/V into
+    with_placeholders = []  # steps whose inputs wait on the step in flight (Engine._forward)
 
     def recording_prepare(batch: Any) -> Any:
         inputs = prepare(batch)
         writes[id(batch)] = {int(s) // page for s in inputs.layout.out_loc}
+        assert inputs.placeholders == bool((inputs.input_ids < 0).any())
+        with_placeholders.append(inputs.placeholders)
         return inputs
 
     def checked_free(pages: list[int]) -> None:
@@ -108,6 +111,7 @@ def test_no_token_after_finish_and_no_page_freed_in_flight(tiny_dirs: dict[str, 
                 finished.add(req.rid)
         sched.check_integrity()
     assert finished == {r.rid for r in reqs}
+    assert any(with_placeholders) and not all(with_placeholders)
     assert sched.stats.retractions > 0  # the pool is tight enough to preempt
     for req, p, sp in zip(reqs, prompts, params):
         assert req.output_ids == expected(path, p, sp)

@@ -6,7 +6,8 @@
   layout (in memory from ``weight_zeros``: 2 MiB-aligned arenas madvised for transparent huge
   pages) and the matmul over it, for any number of rows; ``load()`` registers them with
   ``minisgl.core.layers.quant.register_bf16_linear``, so weights converted afterwards (the
-  engine builds the attention backend first) use them in place of oneDNN.
+  engine builds the attention backend first) use them in place of oneDNN; ``out_dtype=float32``
+  widens the result in the same call (the LM head's logits).
 - ``int8_pack`` / ``int8_linear`` (cpu_linear.cpp): weight-only int8 in the same blocked layout,
   for any number of rows; ``load()`` registers them with
   ``minisgl.core.layers.quant.register_int8_linear``, so weights quantized afterwards use them in
@@ -22,6 +23,9 @@
   a run of them bound once (``LayerRun``), then run in one call per step, which the CPU backend
   uses through ``minisgl.core.layers.register_fused_decoder_layers`` (torch_native.py says
   where); ``MINISGL_FUSED_LAYER=off`` turns that off.
+- ``rms_norm`` (cpu_layer.cpp): RMSNorm (with the residual add) of bf16 rows as the layers take it,
+  registered with ``minisgl.core.layers.register_rms_norm`` for the model's eager norms (its
+  final one, between the layers' one call and the LM head).
 - ``argmax_logsumexp`` (cpu_sample.cpp): the greedy token and the log-sum-exp of every row of
   float32 logits in one call; ``load()`` registers it with
   ``minisgl.core.sampling.register_argmax_logsumexp`` for the default sampler.
@@ -64,6 +68,7 @@ from pathlib import Path
 
 import torch
 
+from minisgl.core.layers.norm import register_rms_norm
 from minisgl.core.layers.quant import register_bf16_linear, register_int8_linear
 from minisgl.core.sampling import register_argmax_logsumexp, register_sample_rows
 
@@ -177,11 +182,12 @@ def _load() -> bool:
     _register_fake()
     ops = torch.ops.minisgl_cpu
     register_bf16_linear(ops.bf16_pack.default, ops.bf16_linear.default,
-                         ops.bf16_linear_silu.default, packed_rows)
+                         ops.bf16_linear_silu.default, packed_rows, widens=True)
     register_int8_linear(ops.int8_pack.default, ops.int8_linear.default,
-                         ops.int8_linear_silu.default)
+                         ops.int8_linear_silu.default, widens=True)
     register_argmax_logsumexp(ops.argmax_logsumexp.default)
     register_sample_rows(ops.sample_rows.default)
+    register_rms_norm(ops.rms_norm.default)
     return True
 
 
@@ -216,8 +222,8 @@ def _register_fake() -> None:
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("minisgl_cpu::int8_linear")
-    def _(x, w, s, n):  # type: ignore[no-untyped-def]
-        return x.new_empty(x.shape[0], n)
+    def _(x, w, s, n, out_dtype=None):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], n, dtype=out_dtype or x.dtype)
 
     @torch.library.register_fake("minisgl_cpu::decoder_layer")
     def _(x, residual, *rest):  # type: ignore[no-untyped-def]
@@ -227,13 +233,17 @@ def _register_fake() -> None:
     def _(x, residual, *rest):  # type: ignore[no-untyped-def]
         return torch.empty_like(x), torch.empty_like(x)
 
+    @torch.library.register_fake("minisgl_cpu::rms_norm")
+    def _(x, residual, weight, eps):  # type: ignore[no-untyped-def]
+        return torch.empty_like(x), torch.empty_like(x)
+
     @torch.library.register_fake("minisgl_cpu::bf16_rows")
     def _(packed, ids):  # type: ignore[no-untyped-def]
         return packed.new_empty(ids.shape[0], packed.shape[1] * 2)
 
     @torch.library.register_fake("minisgl_cpu::bf16_linear")
-    def _(x, w, n):  # type: ignore[no-untyped-def]
-        return x.new_empty(x.shape[0], n)
+    def _(x, w, n, out_dtype=None):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], n, dtype=out_dtype or x.dtype)
 
     @torch.library.register_fake("minisgl_cpu::bf16_linear_silu")
     def _(x, w, n):  # type: ignore[no-untyped-def]

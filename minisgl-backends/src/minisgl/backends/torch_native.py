@@ -33,6 +33,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -143,10 +144,13 @@ class TorchNativeBackend(AttentionBackend):
         lk = max(layout.kv_lens)
         if layout.phase == "decode":  # Lk bucketed: fewer distinct shapes for compiled decode
             lk = min(_round_up(lk, KV_BUCKET), table.shape[1])
-        rows = torch.tensor(layout.rows, dtype=torch.int64, device=table.device)
         q_start = [0, *itertools.accumulate(layout.q_lens)][:-1]  # (small lists: no torch ops)
-        args = KernelArgs(table[rows, :lk].contiguous(), torch.tensor(layout.kv_lens),
-                          torch.tensor(q_start), torch.tensor(layout.q_lens))
+        # through numpy: a torch op each costs ~10-40 us right after a decode step's weights
+        lens = np.array([layout.kv_lens, q_start, layout.q_lens], dtype=np.int64)
+        slots = table.numpy()[layout.rows, :lk] if table.device.type == "cpu" else None
+        args = KernelArgs(torch.from_numpy(slots) if slots is not None else
+                          table[torch.tensor(layout.rows, device=table.device), :lk].contiguous(),
+                          *(torch.from_numpy(a) for a in lens))
         return TorchNativeMeta(layout.out_loc, kernel=args)
 
     @staticmethod

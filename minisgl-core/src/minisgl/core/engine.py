@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from minisgl.core.attention import AttentionBackend, BatchLayout, ForwardContext
@@ -82,6 +83,7 @@ class ForwardInputs:
     layout: BatchLayout
     logits_indices: torch.Tensor  # [N] rows of the hidden states whose logits are sampled
     meta: Any = None  # the backend's metadata, built on the scheduler thread (overlap)
+    placeholders: bool = True  # input_ids may hold placeholders (False: prepare saw none)
 
 
 class Engine:
@@ -230,8 +232,9 @@ class Engine:
 
     def prepare(self, batch: Batch) -> ForwardInputs:
         """Flatten the batch (no padding) and build the attention layout for it. The index
-        lists are built in Python and become one tensor each: a decode step runs right after
-        the weights have flushed the caches, where every small torch op costs ~10-20 us."""
+        lists are built in Python and become one tensor each (on CPU through numpy, with no
+        torch op): a decode step runs right after the weights have flushed the caches, where
+        every small torch op costs ~10-40 us."""
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
@@ -248,14 +251,21 @@ class Engine:
             kv_lens.append(start + n)
             # the request's last new token, or its last batch.rows(i) tokens (a draft's)
             logits_indices.extend(range(len(ids) - batch.rows(i), len(ids)))
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        out_loc = self.table.table[torch.tensor(row_of_token, device=self.device), pos]
+        if self.device.type == "cpu":  # numpy's indexing: no torch op (~10-40 us each, cold)
+            pos_np = np.array(positions, dtype=np.int64)
+            pos = torch.from_numpy(pos_np)
+            out_loc = torch.from_numpy(self.table.table.numpy()[row_of_token, pos_np])
+            input_ids = torch.from_numpy(np.array(ids, dtype=np.int64))
+            sampled = torch.from_numpy(np.array(logits_indices, dtype=np.int64))
+        else:
+            pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+            out_loc = self.table.table[torch.tensor(row_of_token, device=self.device), pos]
+            input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            sampled = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
         layout = BatchLayout(batch.phase, list(batch.extend_lens), kv_lens, rows,
                              self.table.table, out_loc)
-        return ForwardInputs(torch.tensor(ids, dtype=torch.int64, device=self.device), pos,
-                             layout, torch.tensor(logits_indices, dtype=torch.int64,
-                                                  device=self.device),
-                             self.backend.prepare(layout))
+        return ForwardInputs(input_ids, pos, layout, sampled, self.backend.prepare(layout),
+                             placeholders=min(ids, default=0) < 0)
 
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
@@ -270,7 +280,7 @@ class Engine:
                 out = self._run_graph(inputs.layout, args)
                 if out is not None:
                     return out
-            return self._forward(*args)
+            return self._forward(*args, resolve=inputs.placeholders)
 
     def _run_graph(self, layout: BatchLayout, args: tuple[Any, ...]) -> torch.Tensor | None:
         assert self.graphs is not None
@@ -290,11 +300,19 @@ class Engine:
         return None if out is None else out[:rows]
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any,
-                 logits_indices: torch.Tensor) -> torch.Tensor:
-        """The forward itself (what ``graphs`` compile)."""
-        ids = torch.where(ids >= 0, ids, self.future[(-1 - ids).clamp(min=0)])
+                 logits_indices: torch.Tensor, resolve: bool = True) -> torch.Tensor:
+        """The forward itself (what ``graphs`` compile, ``resolve`` left True). An eager step
+        skips the torch ops it can tell it does not need: the placeholders' lookup where
+        ``prepare`` saw none (``resolve`` False), the gather of the sampled rows where they are
+        every row, in order (a decode step's; ``prepare`` lists each request's rows in order).
+        Right after the weights' stream each small op costs ~10-40 us (its code and data back
+        from DRAM): these were 6 of the ~30 outside the kernels in a batch-1 decode step."""
+        if resolve:
+            ids = torch.where(ids >= 0, ids, self.future[(-1 - ids).clamp(min=0)])
         hidden = self.model(ids, positions, ForwardContext(self.backend, meta))
-        return self.model.compute_logits(hidden[logits_indices]).float()
+        if torch.compiler.is_compiling() or logits_indices.shape[0] != hidden.shape[0]:
+            hidden = hidden[logits_indices]
+        return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
     def prompt_logprobs(self, req: Req) -> torch.Tensor:

@@ -637,6 +637,35 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   return {y, r2};
 }
 
+// RMSNorm of rows [M, H] on its own, as the layers take it (norm_row): (y, r) with r = x +
+// residual (x where residual is None, a copy) and y = weight * norm(r), every value rounded where
+// RMSNorm rounds it. The model's final norm between the layers' one call and the LM head: in
+// PyTorch 8 small ops (~100-140 us of a batch-1 decode step, each op's code and data back from
+// DRAM after the weights' stream), here one.
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x,
+                                            const std::optional<at::Tensor>& residual,
+                                            const at::Tensor& weight, double eps) {
+  TORCH_CHECK(MINISGL_LAYER_ANY, "rms_norm needs AVX2 and FMA (or AVX-512)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+                  x.dim() >= 1 && weight.dim() == 1 && x.size(-1) == weight.size(0),
+              "rms_norm: x [..., H] and weight [H], bf16");
+  const int64_t H = x.size(-1), M = H == 0 ? 0 : x.numel() / H;
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor rc;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == at::kBFloat16,
+                "rms_norm: residual must be bf16 and shaped as x");
+    rc = residual->contiguous();
+  }
+  at::Tensor y = at::empty(x.sizes(), xc.options()), r = at::empty(x.sizes(), xc.options());
+#if MINISGL_LAYER_ANY
+  add_rms_norm(xc.const_data_ptr<bf16>(), rc.defined() ? rc.const_data_ptr<bf16>() : nullptr,
+               wc.const_data_ptr<bf16>(), eps, M, H, r.mutable_data_ptr<bf16>(),
+               y.mutable_data_ptr<bf16>());
+#endif
+  return {y, r};
+}
+
 }  // namespace
 
 int64_t minisgl::run_end(int64_t hi) { return std::max(hi, run_to); }
@@ -693,10 +722,12 @@ TORCH_LIBRARY_FRAGMENT(minisgl_cpu, m) {
   m.def("decoder_layers(Tensor x, Tensor? residual, Tensor(a!) run, Tensor cos, Tensor sin, "
         "Tensor out_loc, Tensor slots, Tensor kv_lens, Tensor q_start, Tensor q_lens) "
         "-> (Tensor, Tensor)");
+  m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(minisgl_cpu, CPU, m) {
   m.impl("decoder_layer", &decoder_layer);
   m.impl("bind_layers", &bind_layers);
   m.impl("decoder_layers", &decoder_layers);
+  m.impl("rms_norm", &rms_norm);
 }

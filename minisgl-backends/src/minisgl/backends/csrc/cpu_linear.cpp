@@ -1280,7 +1280,23 @@ void bf16_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& w
 #endif
 }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
+// The linears' bf16 result y as out_dtype: bf16 (y itself) or float32, each value y's, widened
+// on the calling thread in the same call. For the LM head, whose float32 logits the sampler
+// takes: `.float()` after it was a parallel op of its own, ~50-100 us of a batch-1 decode step
+// (its code and data back from DRAM after the weights' stream, a parallel region to wake).
+at::Tensor as_out(const at::Tensor& y, const std::optional<at::ScalarType>& out_dtype) {
+  if (!out_dtype.has_value() || *out_dtype == at::kBFloat16) return y;
+  TORCH_CHECK(*out_dtype == at::kFloat, "out_dtype must be bf16 or float32");
+  at::Tensor f = at::empty(y.sizes(), y.options().dtype(at::kFloat));
+  const auto* src = reinterpret_cast<const uint16_t*>(y.const_data_ptr<c10::BFloat16>());
+  auto* dst = reinterpret_cast<uint32_t*>(f.mutable_data_ptr<float>());
+  const int64_t n = y.numel();
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<uint32_t>(src[i]) << 16;  // exact
+  return f;
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N,
+                       std::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK(MINISGL_LINEAR_ANY, "bf16_linear needs AVX2 and FMA (or AVX-512)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16,
               "x and w must be bf16");
@@ -1290,7 +1306,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
   at::Tensor xc = x.contiguous(), wc = wp.contiguous();
   bf16_into(xc.const_data_ptr<c10::BFloat16>(), M, x.size(1), wc, N,
             y.mutable_data_ptr<c10::BFloat16>());
-  return y;
+  return as_out(y, out_dtype);
 }
 
 // y [M, N] = x [M, K] @ (w * scales[:, None]).T, w packed by int8_pack; x contiguous. up > 0:
@@ -1333,7 +1349,7 @@ void int8_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& w
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& scales,
-                       int64_t N) {
+                       int64_t N, std::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK(MINISGL_LINEAR_ANY, "int8_linear needs AVX2 and FMA (or AVX-512)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kChar &&
                   scales.scalar_type() == at::kFloat,
@@ -1345,7 +1361,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wp, const at::Tens
   at::Tensor xc = x.contiguous(), sc = scales.contiguous(), wc = wp.contiguous();
   int8_into(xc.const_data_ptr<c10::BFloat16>(), M, K, wc, sc.const_data_ptr<float>(), N,
             y.mutable_data_ptr<c10::BFloat16>());
-  return y;
+  return as_out(y, out_dtype);
 }
 
 // act [M, I] = silu(g) * u from a linear's output gu [M, 2I] = [g u], each row as
@@ -1484,9 +1500,10 @@ TORCH_LIBRARY_FRAGMENT(minisgl_cpu, m) {
   m.def("weight_zeros(int[] size, ScalarType dtype) -> Tensor", &minisgl::weight_zeros);
   m.def("bf16_pack(Tensor w) -> Tensor");
   m.def("bf16_rows(Tensor packed, Tensor ids) -> Tensor");
-  m.def("bf16_linear(Tensor x, Tensor w, int n) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor w, int n, ScalarType? out_dtype=None) -> Tensor");
   m.def("int8_pack(Tensor w) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor w, Tensor scales, int n) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scales, int n, ScalarType? out_dtype=None) "
+        "-> Tensor");
   m.def("bf16_linear_silu(Tensor x, Tensor w, int n) -> Tensor");
   m.def("int8_linear_silu(Tensor x, Tensor w, Tensor scales, int n) -> Tensor");
 }

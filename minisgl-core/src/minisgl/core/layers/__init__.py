@@ -15,7 +15,7 @@ from minisgl.core.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from minisgl.core.layers.norm import RMSNorm
+from minisgl.core.layers.norm import RMSNorm, register_rms_norm
 from minisgl.core.layers.rope import RotaryEmbedding
 
 __all__ = [
@@ -33,4 +33,5 @@ __all__ = [
     "VocabParallelEmbedding",
     "bind_fused_decoder_layers",
     "register_fused_decoder_layers",
+    "register_rms_norm",
 ]

@@ -54,7 +54,8 @@ class ParallelLMHead(VocabParallelEmbedding, QuantizableLinear):
     """hidden -> logits over the full vocabulary (local slice, then all-gather)."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.matmul(hidden)
+        """float32 logits [.., vocab] (the matmul's values: bf16 ones widened, in its call)."""
+        logits = self.matmul(hidden, torch.float32)
         if self.comm.world_size > 1:
             logits = self.comm.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]

@@ -51,21 +51,25 @@ INT8_MM_MAX_ROWS = 32
 Int8Pack = Callable[[torch.Tensor], torch.Tensor]
 Int8Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 _int8_kernel: tuple[Int8Pack, Int8Linear, Int8Linear | None] | None = None
+_int8_widens = False
 
 
 def register_int8_linear(pack: Int8Pack | None, linear: Int8Linear | None = None,
-                         gated: Int8Linear | None = None) -> None:
+                         gated: Int8Linear | None = None, widens: bool = False) -> None:
     """Hold CPU int8 weights as ``pack(qweight [N, K] int8) -> packed`` (any layout, K even) and
     compute ``linear(x [M, K] bf16, packed, scales [N] float32, N) -> [M, N] bf16`` (x @ (qweight
     * scales[:, None]).T) for any M; None goes back to ATen. ``gated`` (optional), with the same
     arguments: ``silu(g) * u`` [M, N / 2] of that output's halves [g u] (a merged gate-up
     projection, ``MergedColumnParallelLinear.silu_mul``), silu(g) rounded to bf16 as ``F.silu``
-    rounds it. Only weights quantized afterwards use them. All torch ops when compiled graphs
+    rounds it. ``widens``: ``linear`` also takes ``out_dtype`` (a fifth argument; float32: its
+    result's values as float32, in the same call), what ``matmul(x, torch.float32)`` then
+    asks of it. Only weights quantized afterwards use them. All torch ops when compiled graphs
     are to call them."""
-    global _int8_kernel
+    global _int8_kernel, _int8_widens
     if pack is not None and linear is None:
         raise ValueError("register_int8_linear: a pack function needs its linear")
     _int8_kernel = None if pack is None or linear is None else (pack, linear, gated)
+    _int8_widens = widens and _int8_kernel is not None
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -93,22 +97,26 @@ Bf16Linear = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 Bf16Rows = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _bf16_linear: tuple[Bf16Pack, Bf16Linear, Bf16Linear | None] | None = None
 _bf16_rows: Bf16Rows | None = None
+_bf16_widens = False
 
 
 def register_bf16_linear(pack: Bf16Pack | None, linear: Bf16Linear | None = None,
-                         gated: Bf16Linear | None = None, rows: Bf16Rows | None = None) -> None:
+                         gated: Bf16Linear | None = None, rows: Bf16Rows | None = None,
+                         widens: bool = False) -> None:
     """Prepack CPU bf16 weights with ``pack(weight [N, K]) -> packed`` (any layout, K even) and
     compute ``linear(x [M, K], packed, N) -> [M, N]`` for any M; None goes back to oneDNN.
     ``gated`` (optional), with the same arguments: ``silu(g) * u`` [M, N / 2] of that output's
     halves, as for ``register_int8_linear``. ``rows`` (optional): ``rows(packed, ids) ->
     weight[ids]`` [*ids.shape, K], exactly, so that an embedding tied to a packed LM head reads
-    its rows there and the float weight need not stay (``_convert_linears``). Only weights
-    converted afterwards use them. All torch ops when compiled graphs are to call them."""
-    global _bf16_linear, _bf16_rows
+    its rows there and the float weight need not stay (``_convert_linears``). ``widens``:
+    ``linear`` also takes ``out_dtype``, as for ``register_int8_linear``. Only weights converted
+    afterwards use them. All torch ops when compiled graphs are to call them."""
+    global _bf16_linear, _bf16_rows, _bf16_widens
     if pack is not None and linear is None:
         raise ValueError("register_bf16_linear: a pack function needs its linear")
     _bf16_linear = None if pack is None or linear is None else (pack, linear, gated)
     _bf16_rows = rows if _bf16_linear is not None else None
+    _bf16_widens = widens and _bf16_linear is not None
 
 
 def _kernel_can_pack(weight: torch.Tensor) -> bool:
@@ -184,6 +192,7 @@ class QuantizableLinear(nn.Module):
     gated_qlinear: Int8Linear | None = None
     # the registered kernel's row lookup in ``packed`` (weight[ids]), if it has one
     packed_rows: Bf16Rows | None = None
+    widens: bool = False  # packed_linear / qlinear take out_dtype (register_bf16_linear)
 
     def _drop_float(self, keep_float: bool) -> None:
         if not keep_float:
@@ -194,7 +203,7 @@ class QuantizableLinear(nn.Module):
         self.packed_out = w.shape[0]
         if _bf16_linear is not None and _kernel_can_pack(w):
             pack, self.packed_linear, self.gated_linear = _bf16_linear
-            self.packed, self.packed_rows = pack(w), _bf16_rows
+            self.packed, self.packed_rows, self.widens = pack(w), _bf16_rows, _bf16_widens
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
             self.pack_token = _pack_token(self.packed)
@@ -208,6 +217,7 @@ class QuantizableLinear(nn.Module):
                 and w.shape[1] % 2 == 0):
             pack, self.qlinear, self.gated_qlinear = _int8_kernel
             self.qweight, self.qscale, self.packed_out = pack(q), s, w.shape[0]
+            self.widens = _int8_widens
         else:  # ATen's: scales in the activations' dtype (a cast inside a graph would not lower)
             self.qweight, self.qscale = q, s.to(w.dtype)
         self._drop_float(keep_float)
@@ -226,25 +236,34 @@ class QuantizableLinear(nn.Module):
             return None
         return y.reshape(*x.shape[:-1], n // 2)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x @ weight.T``; with ``out_dtype``, its values in that dtype (``.to(out_dtype)``),
+        in the registered kernel's call where it widens (the LM head's float32 logits)."""
+        y: torch.Tensor
         if self.packed is not None:
             flat = x.reshape(-1, x.shape[-1])
             n = self.packed_out
-            y: torch.Tensor
-            if self.packed_linear is not None:
+            if self.packed_linear is not None and self.widens and out_dtype is not None:
+                y = self.packed_linear(flat, self.packed, n, out_dtype)  # type: ignore[call-arg]
+            elif self.packed_linear is not None:
                 y = self.packed_linear(flat, self.packed, n)
             elif torch.compiler.is_compiling():
                 y = torch.ops.minisgl.packed_linear(flat, self.pack_token, n)
             else:
                 y = _onednn_linear(flat, self.packed)
-            return y.reshape(*x.shape[:-1], n)
-        if self.qweight is not None and self.qscale is not None:
+            y = y.reshape(*x.shape[:-1], n)
+        elif self.qweight is not None and self.qscale is not None:
             if self.qlinear is not None:
                 flat = x.reshape(-1, x.shape[-1])
-                y = self.qlinear(flat, self.qweight, self.qscale, self.packed_out)
-                return y.reshape(*x.shape[:-1], self.packed_out)
-            return int8_linear(x, self.qweight, self.qscale)
-        return F.linear(x, self.weight)
+                args = (flat, self.qweight, self.qscale, self.packed_out)
+                y = (self.qlinear(*args, out_dtype)  # type: ignore[call-arg]
+                     if self.widens and out_dtype is not None else self.qlinear(*args))
+                y = y.reshape(*x.shape[:-1], self.packed_out)
+            else:
+                y = int8_linear(x, self.qweight, self.qscale)
+        else:
+            y = F.linear(x, self.weight)
+        return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
 
 
 def _convert_linears(model: nn.Module, convert: str) -> int:
