@@ -268,11 +268,10 @@ class FusedLayerRun:
         if not (ctx.backend is self.backend and isinstance(meta, TorchNativeMeta)
                 and meta.kernel is not None and x.dtype == torch.bfloat16):
             return None
-        cos, sin = cos_sin
-        t, a = x.shape[0], meta.kernel
-        return cpu_kernels.decoder_layers(self.run, x, residual, cos.reshape(t, -1),
-                                          sin.reshape(t, -1), meta.out_loc, a.slots, a.kv_lens,
-                                          a.q_start, a.q_lens)
+        cos, sin = cos_sin  # [T, 1, head_dim] as they are (no reshape op: the kernel takes them)
+        a = meta.kernel
+        return cpu_kernels.decoder_layers(self.run, x, residual, cos, sin, meta.out_loc, a.slots,
+                                          a.kv_lens, a.q_start, a.q_lens)
 
 
 def bind_decoder_layers(layers: Sequence[DecoderLayerParts], backend: AttentionBackend

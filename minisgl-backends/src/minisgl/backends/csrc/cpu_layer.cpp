@@ -262,9 +262,10 @@ void layer_into(
   for (const at::Tensor* t : {&in_norm, &post_norm})
     check(t->numel() == H && t->is_contiguous() && t->scalar_type() == at::kBFloat16,
           "norm weights: bf16 [hidden]");
-  for (const at::Tensor* t : {&cos, &sin})
-    check(t->dim() == 2 && t->size(0) == M && t->size(1) == D && t->is_contiguous() &&
-              t->scalar_type() == at::kBFloat16, "cos, sin: contiguous bf16 [M, head_dim]");
+  for (const at::Tensor* t : {&cos, &sin})  // ([M, 1, head_dim]: RotaryEmbedding.lookup's)
+    check((t->dim() == 2 || (t->dim() == 3 && t->size(1) == 1)) && t->size(0) == M &&
+              t->size(-1) == D && t->is_contiguous() && t->scalar_type() == at::kBFloat16,
+          "cos, sin: contiguous bf16 [M, head_dim] (or [M, 1, head_dim])");
   check(k_pool.dim() == 3 && k_pool.size(0) == kv_heads && k_pool.sizes() == v_pool.sizes() &&
             k_pool.is_contiguous() && v_pool.is_contiguous() &&
             (k_pool.scalar_type() == at::kBFloat16 || q8) &&

@@ -58,4 +58,4 @@ class ParallelLMHead(VocabParallelEmbedding, QuantizableLinear):
         logits = self.matmul(hidden, torch.float32)
         if self.comm.world_size > 1:
             logits = self.comm.all_gather(logits, dim=-1)
-        return logits[..., : self.vocab_size]
+        return logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]

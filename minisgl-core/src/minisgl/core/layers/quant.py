@@ -240,8 +240,8 @@ class QuantizableLinear(nn.Module):
         """``x @ weight.T``; with ``out_dtype``, its values in that dtype (``.to(out_dtype)``),
         in the registered kernel's call where it widens (the LM head's float32 logits)."""
         y: torch.Tensor
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (each op counts: engine.py)
         if self.packed is not None:
-            flat = x.reshape(-1, x.shape[-1])
             n = self.packed_out
             if self.packed_linear is not None and self.widens and out_dtype is not None:
                 y = self.packed_linear(flat, self.packed, n, out_dtype)  # type: ignore[call-arg]
@@ -251,14 +251,13 @@ class QuantizableLinear(nn.Module):
                 y = torch.ops.minisgl.packed_linear(flat, self.pack_token, n)
             else:
                 y = _onednn_linear(flat, self.packed)
-            y = y.reshape(*x.shape[:-1], n)
+            y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
         elif self.qweight is not None and self.qscale is not None:
             if self.qlinear is not None:
-                flat = x.reshape(-1, x.shape[-1])
                 args = (flat, self.qweight, self.qscale, self.packed_out)
                 y = (self.qlinear(*args, out_dtype)  # type: ignore[call-arg]
                      if self.widens and out_dtype is not None else self.qlinear(*args))
-                y = y.reshape(*x.shape[:-1], self.packed_out)
+                y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.packed_out)
             else:
                 y = int8_linear(x, self.qweight, self.qscale)
         else:

@@ -48,6 +48,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
         self.head_dim = head_dim
+        # the tables in the activations' dtype, made on first use: a lookup then indexes them
+        # with no cast op after (values the same: the cast commutes with the indexing)
+        self._cast: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -63,8 +66,14 @@ class RotaryEmbedding(nn.Module):
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) as [T, 1, d] for ``positions`` [T]; compute once per forward, use per layer."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.sin[positions].unsqueeze(1).to(dtype))
+        if torch.compiler.is_compiling() or dtype == self.cos.dtype:
+            return (self.cos[positions].unsqueeze(1).to(dtype),
+                    self.sin[positions].unsqueeze(1).to(dtype))
+        key = (dtype, self.cos.device)
+        if key not in self._cast:
+            self._cast = {key: (self.cos.to(dtype), self.sin.to(dtype))}  # (the last dtype only)
+        cos, sin = self._cast[key]
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
     @classmethod
     def rotate(cls, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
