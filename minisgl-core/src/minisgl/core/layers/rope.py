@@ -50,7 +50,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         # the tables in the activations' dtype, made on first use: a lookup then indexes them
         # with no cast op after (values the same: the cast commutes with the indexing)
-        self._cast: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cast: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -69,9 +69,9 @@ class RotaryEmbedding(nn.Module):
         if torch.compiler.is_compiling() or dtype == self.cos.dtype:
             return (self.cos[positions].unsqueeze(1).to(dtype),
                     self.sin[positions].unsqueeze(1).to(dtype))
-        key = (dtype, self.cos.device)
+        key = (dtype, self.cos.data_ptr())  # (new buffers after a .to(): cast again)
         if key not in self._cast:
-            self._cast = {key: (self.cos.to(dtype), self.sin.to(dtype))}  # (the last dtype only)
+            self._cast = {key: (self.cos.to(dtype), self.sin.to(dtype))}  # (the last one only)
         cos, sin = self._cast[key]
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
