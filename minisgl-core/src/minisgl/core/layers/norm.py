@@ -43,7 +43,8 @@ class RMSNorm(nn.Module):
                 and self.weight.dtype == torch.bfloat16
                 and (residual is None or residual.dtype == torch.bfloat16)
                 and not torch.compiler.is_compiling()):
-            return _kernel(x, residual, self.weight, self.eps)
+            normed, new_residual = _kernel(x, residual, self.weight, self.eps)
+            return normed, x if residual is None else new_residual  # (x itself, as below)
         if residual is not None:
             x = x + residual
         return self._norm(x), x
