@@ -147,10 +147,11 @@ class TorchNativeBackend(AttentionBackend):
         q_start = [0, *itertools.accumulate(layout.q_lens)][:-1]  # (small lists: no torch ops)
         # through numpy: a torch op each costs ~10-40 us right after a decode step's weights
         lens = np.array([layout.kv_lens, q_start, layout.q_lens], dtype=np.int64)
-        slots = table.numpy()[layout.rows, :lk] if table.device.type == "cpu" else None
-        args = KernelArgs(torch.from_numpy(slots) if slots is not None else
-                          table[torch.tensor(layout.rows, device=table.device), :lk].contiguous(),
-                          *(torch.from_numpy(a) for a in lens))
+        if table.device.type == "cpu":
+            slots = torch.from_numpy(table.numpy()[layout.rows, :lk])
+        else:
+            slots = table[torch.tensor(layout.rows, device=table.device), :lk].contiguous()
+        args = KernelArgs(slots, *(torch.from_numpy(a) for a in lens))
         return TorchNativeMeta(layout.out_loc, kernel=args)
 
     @staticmethod

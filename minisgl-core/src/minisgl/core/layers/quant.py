@@ -241,12 +241,11 @@ class QuantizableLinear(nn.Module):
         in the registered kernel's call where it widens (the LM head's float32 logits)."""
         y: torch.Tensor
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (each op counts: engine.py)
+        widen = (out_dtype,) if self.widens and out_dtype is not None else ()
         if self.packed is not None:
             n = self.packed_out
-            if self.packed_linear is not None and self.widens and out_dtype is not None:
-                y = self.packed_linear(flat, self.packed, n, out_dtype)  # type: ignore[call-arg]
-            elif self.packed_linear is not None:
-                y = self.packed_linear(flat, self.packed, n)
+            if self.packed_linear is not None:
+                y = self.packed_linear(flat, self.packed, n, *widen)
             elif torch.compiler.is_compiling():
                 y = torch.ops.minisgl.packed_linear(flat, self.pack_token, n)
             else:
@@ -254,9 +253,7 @@ class QuantizableLinear(nn.Module):
             y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
         elif self.qweight is not None and self.qscale is not None:
             if self.qlinear is not None:
-                args = (flat, self.qweight, self.qscale, self.packed_out)
-                y = (self.qlinear(*args, out_dtype)  # type: ignore[call-arg]
-                     if self.widens and out_dtype is not None else self.qlinear(*args))
+                y = self.qlinear(flat, self.qweight, self.qscale, self.packed_out, *widen)
                 y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.packed_out)
             else:
                 y = int8_linear(x, self.qweight, self.qscale)
