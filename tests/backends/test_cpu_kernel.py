@@ -1685,6 +1685,58 @@ def test_decoder_layers_few_rows_refuse_and_recover(threads: int) -> None:
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize(("threads", "rows", "int8"), [
+    (2, 1, False), (2, 6, False), (2, 13, False), (3, 5, False), (4, 2, False), (2, 3, True),
+    (2, 9, True)])
+def test_decoder_layers_tapered_grains(threads: int, rows: int, int8: bool) -> None:
+    """Jobs of at least 16 items per thread go to the team in tapered grains (each thread's
+    share cut at 8/16, 12/16, 14/16 and 15/16, the last cuts off the panel width where the
+    linears take more rows than their GEMV): every output block is computed once, whoever takes
+    it, so a few-row step's layers equal the per-layer op's (no team) to the bit, with weights
+    wide enough to be tapered (gate-up's 256 blocks, down's and qkv's 36-64) and narrow ones
+    (o: 4 blocks) side by side, bf16 and int8, with a busy process beside them."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(10 * threads + rows)
+        hidden, d, inter, heads = 64, 64, 2048, 6
+        shapes = [((heads + 2) * d, hidden), (hidden, heads * d), (2 * inter, hidden),
+                  (hidden, inter)]
+        dense = [(torch.randn(n, k, generator=g) / 8).bfloat16() for n, k in shapes] * 2
+        if int8:
+            rowwise = [quant.quantize_rows(w) for w in dense]
+            ws = [torch.ops.minisgl_cpu.int8_pack(q) for q, _ in rowwise]
+            scales = [s for _, s in rowwise]
+        else:
+            ws, scales = [torch.ops.minisgl_cpu.bf16_pack(w) for w in dense], []
+        norms = list((1 + 0.1 * torch.randn(4, hidden, generator=g)).bfloat16())
+        x = torch.randn(rows, hidden, generator=g).bfloat16()
+        cs = torch.randn(rows, d, generator=g).bfloat16()
+        keys = 5
+        slots = torch.arange(rows * keys).reshape(rows, keys)
+        index = (slots[:, -1].contiguous(), slots, torch.full((rows,), keys),
+                 torch.arange(rows), torch.ones(rows, dtype=torch.long))
+        pools = torch.randn(2, 2, 1, rows * keys, d, generator=g).bfloat16()
+        want = pools.clone()
+        wy, wr = x, None
+        for i in range(2):
+            wy, wr = cpu_kernels.decoder_layer(
+                wy, wr, norms[2 * i], norms[2 * i + 1], ws[4 * i:4 * i + 4],
+                scales[4 * i:4 * i + 4], None, None, None, None, cs, cs, want[i, 0], want[i, 1],
+                *index, 0.125, 1e-5, heads, 1)
+        assert wy.abs().sum() > 0 and not torch.equal(want, pools)
+        with busy_loops(1):
+            for _ in range(5):
+                got = pools.clone()
+                run = cpu_kernels.LayerRun(norms, ws, scales, [], [], [], list(got[:, 0]),
+                                           list(got[:, 1]), [0, 0], 0.125, 1e-5, heads, 1)
+                y, r = cpu_kernels.decoder_layers(run, x, None, cs, cs, *index)
+                assert torch.equal(y, wy) and torch.equal(r, wr) and torch.equal(got, want)
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize(("q_start", "q_lens", "match"), [
     ([0, 3], [2, 2], "follow each other"), ([1, 2], [1, 3], "follow each other"),
     ([0, 2], [2, 1], "add up to x's rows"), ([0, 4], [4, 0], "q_lens >= 1")])
