@@ -290,6 +290,7 @@ inline void store_gated(__m512 g, __m512 u, c10::BFloat16* y) {
 // kGemvRows rows (one stream per thread).
 struct Bf16Format {
   static constexpr int kLineBytes = 64, kMR = 6, kNR = 4, kU = 4, kGemvRows = 4, kAhead = 0;
+  static constexpr _mm_hint kAheadHint = _MM_HINT_NTA;
   using Acc = __m512;
   using Line = __m512i;
   using X = __m512i;  // a pair of x broadcast to all lanes
@@ -313,7 +314,8 @@ struct Bf16Format {
 };
 
 struct Int8Format {
-  static constexpr int kLineBytes = 32, kMR = 6, kNR = 4, kU = 4, kGemvRows = 4, kAhead = 0;
+  static constexpr int kLineBytes = 32, kMR = 6, kNR = 4, kU = 4, kGemvRows = 4, kAhead = 4096;
+  static constexpr _mm_hint kAheadHint = _MM_HINT_NTA;
   // int32 lanes, held as __m512: with __m512i accumulators GCC 12 spilled most of the
   // microkernel's 24 to the stack on every step (the casts cost no instruction)
   using Acc = __m512;
@@ -368,6 +370,7 @@ inline void store_halves(__m256 lo, __m256 hi, int64_t n, int64_t N, c10::BFloat
 // run_f32, below, takes over); the comparisons there are against it.
 struct Bf16Format {
   static constexpr int kLineBytes = 64, kMR = 4, kNR = 1, kU = 2, kGemvRows = 2, kAhead = 1024;
+  static constexpr _mm_hint kAheadHint = _MM_HINT_T0;
   struct Acc { Half lo, hi; };
   struct Line { Half elo, olo, ehi, ohi; };  // even and odd elements of lanes 0-7, 8-15
   struct X { Half e, o; };
@@ -406,6 +409,7 @@ struct Bf16Format {
 
 struct Int8Format {
   static constexpr int kLineBytes = 32, kMR = 6, kNR = 1, kU = 2, kGemvRows = 2, kAhead = 1024;
+  static constexpr _mm_hint kAheadHint = _MM_HINT_T0;
   struct Acc { __m256i lo, hi; };  // int32 sums
   struct Line { __m256i lo, hi; };  // int16 pairs of lanes 0-7, 8-15
   using X = __m256i;
@@ -531,7 +535,12 @@ typename F::Acc sum_chains(const typename F::Acc* acc) {
 // reads 4 streams 18 KB apart (K = 576); measured in bf16, medians of 15 alternating passes over
 // a decode step's 121 SmolLM2 weights (a plain read of as many bytes: 8.2 ms): 1 row 9.6 vs
 // 12.1 ms, 2 rows 9.6 vs 11.7, 4 rows 10.2 vs 11.9, 6 rows 13.0 vs 12.4 (4 x 6 broadcasts per 4
-// weight lines: from there the panel order wins). Software prefetch made it slower there; the
+// weight lines: from there the panel order wins). Software prefetch made bf16 slower there (on
+// AMD Zen 5 too: 4 KB ahead 1.014x the step's time with prefetcht0, 0.998x with prefetchnta).
+// The AVX-512 int8 stream, half the bytes per product, prefetches each line 4 KB ahead
+// (prefetchnta): AMD Zen 5, SmolLM2 int8 decode steps, with and without alternating step by step
+// in one process (8 rounds each): 1 row 0.955-0.965x the time, 2 rows 0.94x, 4 rows 0.87-0.90x
+// (2 KB ahead 0.986x, 8 KB 0.971x at 1 row; prefetcht0 as good as prefetchnta). The
 // AVX2 build prefetches each line F::kAhead = 1 KB ahead (prefetcht0): on AMD Zen 3 (2 threads,
 // the same 121 weights, the two builds alternating in one process, 15 pairs) bf16 0.92x and
 // int8 0.90x the time (11.05 -> 10.54 ms, 6.64 -> 5.94); 2 KB ahead was no better, and 4
@@ -560,7 +569,7 @@ void gemv_stream(const Args& a, int64_t m, int64_t b0, int64_t b1) {
     for (; p + U <= K2; p += U) {
       if constexpr (F::kAhead > 0)  // every 64-byte line of this step, kAhead bytes ahead
         for (int j = 0; j < U * F::kLineBytes; j += 64)
-          _mm_prefetch(wb + p * F::kLineBytes + j + F::kAhead, _MM_HINT_T0);
+          _mm_prefetch(wb + p * F::kLineBytes + j + F::kAhead, F::kAheadHint);
       typename F::Line wv[U];
       if (NT) {
         for (int u = 0; u < U; u += 2) F::load2_nt(wb + (p + u) * F::kLineBytes, wv[u], wv[u + 1]);
