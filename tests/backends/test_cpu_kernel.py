@@ -1390,6 +1390,15 @@ def test_sampler_with_kernel_matches_torch(monkeypatch: pytest.MonkeyPatch) -> N
     torch.testing.assert_close(fast.top_logprobs, slow.top_logprobs, rtol=1e-6, atol=1e-6)
 
 
+def _pack(ws: list[torch.Tensor], int8: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Dense bf16 weights as the layer kernels take them: bf16_pack'd with no scales, or
+    int8_pack'd per-row int8 with their scales."""
+    if not int8:
+        return [torch.ops.minisgl_cpu.bf16_pack(w) for w in ws], []
+    qs = [quant.quantize_rows(w) for w in ws]
+    return [torch.ops.minisgl_cpu.int8_pack(q) for q, _ in qs], [sc for _, sc in qs]
+
+
 def _layer_reference(x, res, in_norm, post_norm, ws, scales, qkv_b, o_b, q_norm, k_norm, cos, sin,
                      k_pool, v_pool, out_loc, slots, kv_lens, q_start, q_lens, scale, eps, heads,
                      kv_heads, window):  # type: ignore[no-untyped-def]
@@ -1489,12 +1498,7 @@ def test_decoder_layer_matches_its_steps(kv_lens: list[int], q_lens: list[int], 
     out_loc = torch.cat([slots[i, n - q:n] for i, (n, q) in enumerate(zip(kv_lens, q_lens))])
     q_start = torch.tensor([0, *itertools.accumulate(q_lens)][:-1])
     index = (torch.tensor(kv_lens), q_start, torch.tensor(q_lens))
-    if int8:
-        qs = [quant.quantize_rows(w) for w in ws]
-        packed = [torch.ops.minisgl_cpu.int8_pack(q) for q, _ in qs]
-        scales = [s for _, s in qs]
-    else:
-        packed, scales = [torch.ops.minisgl_cpu.bf16_pack(w) for w in ws], []
+    packed, scales = _pack(ws, int8)
     got_pool, want_pool = pool.clone(), pool.clone()
     y, r2 = cpu_kernels.decoder_layer(x, res, in_norm, post_norm, packed, scales, *opt, cos,
                                       sin, got_pool[0], got_pool[1], out_loc, slots, *index,
@@ -1543,12 +1547,9 @@ def test_decoder_layers_is_its_layers_one_after_another(kv_lens: list[int], q_le
     norms, qkv_biases, o_biases, qk_norms = [], [], [], []
     for _ in range(n_layers):
         ws = [(torch.randn(n, k, generator=g) / math.sqrt(k)).bfloat16() for n, k in shapes]
-        if int8:
-            qs = [quant.quantize_rows(w) for w in ws]
-            weights += [torch.ops.minisgl_cpu.int8_pack(q) for q, _ in qs]
-            scales += [sc for _, sc in qs]
-        else:
-            weights += [torch.ops.minisgl_cpu.bf16_pack(w) for w in ws]
+        layer_weights, layer_scales = _pack(ws, int8)
+        weights += layer_weights
+        scales += layer_scales
         norms += list((1 + 0.1 * torch.randn(2, hidden, generator=g)).bfloat16())
         if extras:
             qkv_biases.append(torch.randn((heads + 2 * kv_heads) * d, generator=g).bfloat16())
@@ -1704,12 +1705,7 @@ def test_decoder_layers_tapered_grains(threads: int, rows: int, int8: bool) -> N
         shapes = [((heads + 2) * d, hidden), (hidden, heads * d), (2 * inter, hidden),
                   (hidden, inter)]
         dense = [(torch.randn(n, k, generator=g) / 8).bfloat16() for n, k in shapes] * 2
-        if int8:
-            rowwise = [quant.quantize_rows(w) for w in dense]
-            ws = [torch.ops.minisgl_cpu.int8_pack(q) for q, _ in rowwise]
-            scales = [s for _, s in rowwise]
-        else:
-            ws, scales = [torch.ops.minisgl_cpu.bf16_pack(w) for w in dense], []
+        ws, scales = _pack(dense, int8)
         norms = list((1 + 0.1 * torch.randn(4, hidden, generator=g)).bfloat16())
         x = torch.randn(rows, hidden, generator=g).bfloat16()
         cs = torch.randn(rows, d, generator=g).bfloat16()
