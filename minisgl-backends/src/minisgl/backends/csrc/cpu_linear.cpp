@@ -467,16 +467,18 @@ struct Args {
   const float* row_sx(int64_t m) const { return sx == nullptr ? nullptr : sx + m; }
 };
 
-// y[0..MR) x [16 b0, 16 (b0 + NR)) for rows m .. m + MR. Also prefetches the pf_lines 64-byte
-// lines at pf, spread evenly over the K2 pairs of inputs (pf_lines / K2 per pair, and one more
-// every K2 / (pf_lines % K2) pairs). Why evenly: a prefetch waits for a free miss buffer, so
-// lines asked for faster than memory delivers them hold up the multiply-adds behind them, and
-// pairs that ask for none leave the bus idle. The lines per pair used to be rounded up, which
-// put a chunk's share in the first 2/3 of its pairs wherever K2 did not divide it (3 chunks of
-// a panel: 13-18 rows). Measured on AMD Zen 5 (2 threads, a decode step's 121 SmolLM2 weights
-// from DRAM, the two alternating in one process): bf16 14 rows 0.88x the time, 16 rows 0.87x,
-// other row counts 0.99-1.01x; decode steps of 14 and 16 requests 0.91x; the AVX-512 int8
-// panels (bound by widening the values) 0.99-1.01x, the AVX2 build's int8 3 rows 0.88-0.91x.
+// y[0..MR) x [16 b0, 16 (b0 + NR)) for rows m .. m + MR. Also prefetches the pf_lines 64-byte lines
+// at pf, spread evenly over the K2 pairs of inputs (each pair asks for the lines below an address
+// that moves 64 pf_lines / K2 bytes per pair). Why evenly: a prefetch waits for a free miss buffer,
+// so lines asked for faster than memory delivers them hold up the multiply-adds behind them, and
+// pairs that ask for none leave the bus idle. The lines per pair used to be rounded up, which put a
+// chunk's share in the first 2/3 of its pairs wherever K2 did not divide it (3 chunks of a panel:
+// 13-18 rows). Measured on AMD Zen 5 (2 threads, a decode step's 121 SmolLM2 weights from DRAM, the
+// two alternating in one process): bf16 14 rows 0.88x the time, 16 rows 0.87x, other row counts
+// 0.99-1.01x; decode steps of 14 and 16 requests 0.91x, 20 0.94x, 32 0.975x; the AVX-512 int8
+// panels (bound by widening the values) 0.99-1.01x, the AVX2 build's int8 3 rows 0.88-0.91x. (A
+// count per pair, whole lines plus a carry, kept the 8-row panel's loop short of registers: 8-row
+// steps 1.01x slower, where the schedule itself had not changed.)
 // With prefetcht2 (into L2). A prefetcht0 (into L1) holds one of the L1's few miss buffers
 // until its line comes from DRAM, so few rows, whose panel is short work, waited on the stream:
 // the two builds alternating in one process (AMD Zen 4, a decode step's 121 SmolLM2 weights, 11
@@ -496,15 +498,16 @@ void micro(const Args& a, int64_t m, int64_t b0, const char* pf, int64_t pf_line
   const int64_t up = Gated ? (a.up - H) * bb : 0;  // from block H on: the up half's
   const char* wp = a.w + b0 * bb;  // one pointer (an array of NR spilled in int8, GCC 12)
   const int32_t* x = a.row_x(m);
-  const int64_t whole = pf_lines / K2, extra = pf_lines % K2;
-  int64_t due = K2 - 1;  // extra's running sum (one more line each time it passes K2)
+  // the lines asked for so far end at due >> 16, an address with 16 bits of fraction, which
+  // moves 64 pf_lines / K2 bytes per pair (user-space addresses lie below 2^48; above, due would
+  // wrap and stay below pf: no prefetches, never a runaway loop)
+  uint64_t due = reinterpret_cast<uintptr_t>(pf) << 16;
+  const uint64_t rate = (static_cast<uint64_t>(pf_lines) << 22) / K2;
   for (int64_t p = 0; p < K2; ++p, wp += F::kLineBytes) {
     typename F::Line wv[NR];
     for (int r = 0; r < NR; ++r) wv[r] = F::load(wp + r * bb + (r < H ? 0 : up));
-    int64_t lines = whole;
-    due += extra;
-    if (due >= K2) due -= K2, ++lines;
-    for (int64_t i = 0; i < lines; ++i, pf += 64) {
+    due += rate;
+    for (; reinterpret_cast<uintptr_t>(pf) < (due >> 16); pf += 64) {
       _mm_prefetch(pf, _MM_HINT_T2);
       if constexpr (Gated) _mm_prefetch(pf + a.up * bb, _MM_HINT_T2);
     }
