@@ -291,6 +291,7 @@ inline void store_gated(__m512 g, __m512 u, c10::BFloat16* y) {
 struct Bf16Format {
   static constexpr int kLineBytes = 64, kMR = 6, kNR = 4, kU = 4, kGemvRows = 4, kAhead = 0;
   static constexpr _mm_hint kAheadHint = _MM_HINT_NTA;
+  static constexpr bool kEvenPrefetch = true;  // (micro)
   using Acc = __m512;
   using Line = __m512i;
   using X = __m512i;  // a pair of x broadcast to all lanes
@@ -316,6 +317,7 @@ struct Bf16Format {
 struct Int8Format {
   static constexpr int kLineBytes = 32, kMR = 6, kNR = 4, kU = 4, kGemvRows = 4, kAhead = 4096;
   static constexpr _mm_hint kAheadHint = _MM_HINT_NTA;
+  static constexpr bool kEvenPrefetch = false;  // (micro)
   // int32 lanes, held as __m512: with __m512i accumulators GCC 12 spilled most of the
   // microkernel's 24 to the stack on every step (the casts cost no instruction)
   using Acc = __m512;
@@ -371,6 +373,7 @@ inline void store_halves(__m256 lo, __m256 hi, int64_t n, int64_t N, c10::BFloat
 struct Bf16Format {
   static constexpr int kLineBytes = 64, kMR = 4, kNR = 1, kU = 2, kGemvRows = 2, kAhead = 1024;
   static constexpr _mm_hint kAheadHint = _MM_HINT_T0;
+  static constexpr bool kEvenPrefetch = false;  // (micro)
   struct Acc { Half lo, hi; };
   struct Line { Half elo, olo, ehi, ohi; };  // even and odd elements of lanes 0-7, 8-15
   struct X { Half e, o; };
@@ -410,6 +413,7 @@ struct Bf16Format {
 struct Int8Format {
   static constexpr int kLineBytes = 32, kMR = 6, kNR = 1, kU = 2, kGemvRows = 2, kAhead = 1024;
   static constexpr _mm_hint kAheadHint = _MM_HINT_T0;
+  static constexpr bool kEvenPrefetch = false;  // (micro; true: 4-32 rows 1.3-1.8x the time)
   struct Acc { __m256i lo, hi; };  // int32 sums
   struct Line { __m256i lo, hi; };  // int16 pairs of lanes 0-7, 8-15
   using X = __m256i;
@@ -468,17 +472,18 @@ struct Args {
 };
 
 // y[0..MR) x [16 b0, 16 (b0 + NR)) for rows m .. m + MR. Also prefetches the pf_lines 64-byte lines
-// at pf, spread evenly over the K2 pairs of inputs (each pair asks for the lines below an address
-// that moves 64 pf_lines / K2 bytes per pair). Why evenly: a prefetch waits for a free miss buffer,
-// so lines asked for faster than memory delivers them hold up the multiply-adds behind them, and
-// pairs that ask for none leave the bus idle. The lines per pair used to be rounded up, which put a
-// chunk's share in the first 2/3 of its pairs wherever K2 did not divide it (3 chunks of a panel:
-// 13-18 rows). Measured on AMD Zen 5 (2 threads, a decode step's 121 SmolLM2 weights from DRAM, the
-// two alternating in one process): bf16 14 rows 0.88x the time, 16 rows 0.87x, other row counts
-// 0.99-1.01x; decode steps of 14 and 16 requests 0.91x, 20 0.94x, 32 0.975x; the AVX-512 int8
-// panels (bound by widening the values) 0.99-1.01x, the AVX2 build's int8 3 rows 0.88-0.91x. (A
-// count per pair, whole lines plus a carry, kept the 8-row panel's loop short of registers: 8-row
-// steps 1.01x slower, where the schedule itself had not changed.)
+// at pf: where F::kEvenPrefetch, spread evenly over the K2 pairs of inputs (each pair asks for the
+// lines below an address that moves 64 pf_lines / K2 bytes per pair), else pf_per (rounded up) per
+// pair from the first. Why evenly: a prefetch waits for a free miss buffer, so lines asked for
+// faster than memory delivers them hold up the multiply-adds behind them, and pairs that ask for
+// none leave the bus idle; rounded up, a chunk's share went out in the first 2/3 of its pairs
+// wherever K2 did not divide it (a panel's 4 blocks in 3 chunks, 13-18 rows; the gated form's 2 + 2
+// in 3 or more). Measured on AMD Zen 5 (2 threads, SmolLM2, the two alternating in one process): a
+// decode step's 121 bf16 weights from DRAM, 14 rows 0.88x the time, 16 rows 0.87x; bf16 decode
+// steps of 6 requests 0.99x, 8 0.98x, 14 0.93x, 16 0.89x, 20 0.93x, 32 0.95x, 64 0.98x. The int8
+// kernel keeps the count per pair: with the address's two registers in its loop, GCC 12 moved
+// accumulators to the stack and back on every pair (its panels 1.5x the time), and its panels,
+// bound by widening the values, gained nothing from the even schedule (0.99-1.01x).
 // With prefetcht2 (into L2). A prefetcht0 (into L1) holds one of the L1's few miss buffers
 // until its line comes from DRAM, so few rows, whose panel is short work, waited on the stream:
 // the two builds alternating in one process (AMD Zen 4, a decode step's 121 SmolLM2 weights, 11
@@ -489,7 +494,8 @@ struct Args {
 // the up half's (a.up blocks on, where pf's lines are prefetched too), y = silu(g) * u with g
 // and u rounded to bf16 first, as the linear's output would be (gated_into's two passes, fused).
 template <class F, int MR, int NR, bool Gated = false>
-void micro(const Args& a, int64_t m, int64_t b0, const char* pf, int64_t pf_lines) {
+void micro(const Args& a, int64_t m, int64_t b0, const char* pf, int64_t pf_lines,
+           int64_t pf_per) {
   typename F::Acc acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < NR; ++r) acc[i][r] = F::zero();
@@ -498,18 +504,25 @@ void micro(const Args& a, int64_t m, int64_t b0, const char* pf, int64_t pf_line
   const int64_t up = Gated ? (a.up - H) * bb : 0;  // from block H on: the up half's
   const char* wp = a.w + b0 * bb;  // one pointer (an array of NR spilled in int8, GCC 12)
   const int32_t* x = a.row_x(m);
-  // the lines asked for so far end at due >> 16, an address with 16 bits of fraction, which
-  // moves 64 pf_lines / K2 bytes per pair (user-space addresses lie below 2^48; above, due would
-  // wrap and stay below pf: no prefetches, never a runaway loop)
+  // (F::kEvenPrefetch) the lines asked for so far end at due >> 16, an address with 16 bits of
+  // fraction, which moves 64 pf_lines / K2 bytes per pair (user-space addresses lie below 2^48;
+  // above, due would wrap and stay below pf: no prefetches, never a runaway loop); else pf_per
+  // lines per pair up to pf_end
   uint64_t due = reinterpret_cast<uintptr_t>(pf) << 16;
-  const uint64_t rate = (static_cast<uint64_t>(pf_lines) << 22) / K2;
+  const uint64_t rate = F::kEvenPrefetch ? (static_cast<uint64_t>(pf_lines) << 22) / K2 : 0;
+  const char* pf_end = pf + pf_lines * 64;
+  auto ask = [&](const char* line) {
+    _mm_prefetch(line, _MM_HINT_T2);
+    if constexpr (Gated) _mm_prefetch(line + a.up * bb, _MM_HINT_T2);
+  };
   for (int64_t p = 0; p < K2; ++p, wp += F::kLineBytes) {
     typename F::Line wv[NR];
     for (int r = 0; r < NR; ++r) wv[r] = F::load(wp + r * bb + (r < H ? 0 : up));
-    due += rate;
-    for (; reinterpret_cast<uintptr_t>(pf) < (due >> 16); pf += 64) {
-      _mm_prefetch(pf, _MM_HINT_T2);
-      if constexpr (Gated) _mm_prefetch(pf + a.up * bb, _MM_HINT_T2);
+    if constexpr (F::kEvenPrefetch) {
+      due += rate;
+      for (; reinterpret_cast<uintptr_t>(pf) < (due >> 16); pf += 64) ask(pf);
+    } else {
+      for (int64_t i = 0; i < pf_per && pf < pf_end; ++i, pf += 64) ask(pf);
     }
     for (int i = 0; i < MR; ++i) {
       const typename F::X xv = F::bcast(x[i * K2 + p]);
@@ -619,7 +632,7 @@ void gemv(const Args& a, int64_t m, int64_t b0, int64_t b1) {
 template <class F>
 using GemvFn = void (*)(const Args&, int64_t, int64_t, int64_t);
 template <class F>
-using MicroFn = void (*)(const Args&, int64_t, int64_t, const char*, int64_t);
+using MicroFn = void (*)(const Args&, int64_t, int64_t, const char*, int64_t, int64_t);
 
 template <class F, int... I>
 constexpr std::array<GemvFn<F>, sizeof...(I)> gemv_table(std::integer_sequence<int, I...>) {
@@ -645,14 +658,17 @@ constexpr std::array<MicroFn<F>, sizeof...(I)> gated_table(std::integer_sequence
 // + 5, not 6 + 6 + 6 + 3: a short last chunk does few multiply-adds per weight load; measured in
 // bf16 on a decode step's 121 SmolLM2 weights, 9 alternating passes: 8 rows 8.29 -> 7.81 ms, 21
 // rows 9.03 -> 8.49, 32 rows 12.49 -> 11.85, 64 rows 21.94 -> 21.91), each with its share of
-// the `lines` 64-byte lines at `next` to prefetch: fn(m, mr, pf, pf_lines).
+// the `lines` 64-byte lines at `next` to prefetch, pf_per of them per pair of inputs (rounded up,
+// for kernels that take them so): fn(m, mr, pf, pf_lines, pf_per).
 template <class Fn>
-void chunks(int64_t m0, int64_t m1, int64_t MR, const char* next, int64_t lines, const Fn& fn) {
+void chunks(const Args& a, int64_t m0, int64_t m1, int64_t MR, const char* next, int64_t lines,
+            const Fn& fn) {
   const int64_t n = (m1 - m0 + MR - 1) / MR, base = (m1 - m0) / n, extra = (m1 - m0) % n;
-  const int64_t share = (lines + n - 1) / n;  // lines per chunk
+  const int64_t share = (lines + n - 1) / n;         // lines per chunk
+  const int64_t per = (share + a.K2 - 1) / a.K2;     // per pair of inputs
   for (int64_t m = m0, c = 0; c < n; m += base + (c < extra), ++c) {
     const int64_t first = std::min(lines, c * share);
-    fn(m, base + (c < extra), next + first * 64, std::min(share, lines - first));
+    fn(m, base + (c < extra), next + first * 64, std::min(share, lines - first), per);
   }
 }
 
@@ -686,14 +702,14 @@ void rows(const Args& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
     const int64_t nr = std::min<int64_t>(step, b1 - b);
     const char* next = a.w + (b + nr) * a.K2 * F::kLineBytes;
     const int64_t lines = std::min<int64_t>(step, nb - b - nr) * block_lines;
-    chunks(m0, m1, kMR, next, lines,
-           [&](int64_t m, int64_t mr, const char* pf, int64_t pf_lines) {
+    chunks(a, m0, m1, kMR, next, lines,
+           [&](int64_t m, int64_t mr, const char* pf, int64_t pf_lines, int64_t pf_per) {
 #if MINISGL_LINEAR_FAST
              static constexpr auto kGated =
                  gated_table<F>(std::make_integer_sequence<int, kMR * 2>{});
-             if (a.up > 0) return kGated[(mr - 1) * 2 + (nr - 1)](a, m, b, pf, pf_lines);
+             if (a.up > 0) return kGated[(mr - 1) * 2 + (nr - 1)](a, m, b, pf, pf_lines, pf_per);
 #endif
-             kMicro[(mr - 1) * kNR + (nr - 1)](a, m, b, pf, pf_lines);
+             kMicro[(mr - 1) * kNR + (nr - 1)](a, m, b, pf, pf_lines, pf_per);
            });
   }
 }
@@ -756,13 +772,10 @@ void widen_block(const char* w, int64_t K2, float* out) {
 // y[m .. m + MR) x one block (16 outputs from n); x as float32 [M, K]. The block is either
 // widened (kPanel: wf, 128 bytes per pair) or still bf16 (the packed block at wb, converted as
 // it is loaded: 4 ops per pair for all MR rows, against 4 + 2 MR in micro<Bf16Format>). Also
-// prefetches pf_lines (at most K2) 64-byte lines at pf, spread evenly over the K2 pairs as in
-// micro (a chunk's share of the next block, into L2 as micro does: this build on the Zen 4 host,
-// t2 against t0, 5 rows 1.28x, 8 1.29x, 16 1.18x, 24 1.09x, 64 1.0x; spread against one line
-// per pair from the first, on AMD Zen 5: 8 and 12 rows 0.98x, others 0.99-1.01x), a line on
-// every pair (the last one again until the next is due) without a branch: with one, GCC 12 kept
-// two copies of the loop and stored all 12 accumulators to the stack on every pair of the
-// prefetching one.
+// prefetches pf_lines (at most K2) 64-byte lines at pf, one per pair (a chunk's share of the
+// next block, into L2 as micro does: this build on the Zen 4 host, t2 against t0, 5 rows 1.28x,
+// 8 1.29x, 16 1.18x, 24 1.09x, 64 1.0x), without a branch: with one, GCC 12 kept two copies of
+// the loop and stored all 12 accumulators to the stack on every pair of the prefetching one.
 template <int MR, bool kPanel>
 void micro_f32(const Args& a, const float* xf, int64_t m, const void* w, int64_t n,
                const char* pf, int64_t pf_lines) {
@@ -775,13 +788,9 @@ void micro_f32(const Args& a, const float* xf, int64_t m, const void* w, int64_t
   auto bf16x8 = [&](int64_t p, int half) {  // 8 pairs of lanes: 16 bf16 of line p
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64 + half * 32));
   };
-  int64_t line = 0, due = 0;  // due: pf_lines' running sum (the next line each time it passes K2)
+  const int64_t pf_last = std::max<int64_t>(pf_lines - 1, 0);  // then the last line again
   for (int64_t p = 0; p < K2; ++p) {
-    _mm_prefetch(pf + line * 64, _MM_HINT_T2);
-    due += pf_lines;
-    const bool next = due >= K2;
-    due -= next ? K2 : 0;
-    line += next;
+    _mm_prefetch(pf + std::min(p, pf_last) * 64, _MM_HINT_T2);
     __m256 olo, ohi;
     if constexpr (kPanel) {
       olo = _mm256_loadu_ps(wf + p * 32), ohi = _mm256_loadu_ps(wf + p * 32 + 8);
@@ -841,8 +850,8 @@ void rows_f32(const Args& a, const float* xf, int64_t m0, int64_t m1, int64_t b0
       widen_block(wb, a.K2, panel);
       block = panel;
     }
-    chunks(m0, m1, kF32MR, a.w + (b + 1) * bb, b + 1 < nb ? bb / 64 : 0,
-           [&](int64_t m, int64_t mr, const char* pf, int64_t pf_lines) {
+    chunks(a, m0, m1, kF32MR, a.w + (b + 1) * bb, b + 1 < nb ? bb / 64 : 0,
+           [&](int64_t m, int64_t mr, const char* pf, int64_t pf_lines, int64_t) {
              kMicro[mr - 1](a, xf, m, block, b * kLanes, pf, pf_lines);
            });
   }
