@@ -658,8 +658,8 @@ constexpr std::array<MicroFn<F>, sizeof...(I)> gated_table(std::integer_sequence
 // + 5, not 6 + 6 + 6 + 3: a short last chunk does few multiply-adds per weight load; measured in
 // bf16 on a decode step's 121 SmolLM2 weights, 9 alternating passes: 8 rows 8.29 -> 7.81 ms, 21
 // rows 9.03 -> 8.49, 32 rows 12.49 -> 11.85, 64 rows 21.94 -> 21.91), each with its share of
-// the `lines` 64-byte lines at `next` to prefetch, pf_per of them per pair of inputs (rounded up,
-// for kernels that take them so): fn(m, mr, pf, pf_lines, pf_per).
+// the `lines` 64-byte lines at `next` to prefetch, pf_per of them per pair of inputs (rounded up;
+// the kernels with F::kEvenPrefetch spread them instead): fn(m, mr, pf, pf_lines, pf_per).
 template <class Fn>
 void chunks(const Args& a, int64_t m0, int64_t m1, int64_t MR, const char* next, int64_t lines,
             const Fn& fn) {
