@@ -445,7 +445,8 @@ constexpr int64_t kGrains = 4;  // grains per thread and job (fewer where the jo
 // grains at the end need not. Measured on AMD Zen 5 (2 threads, SmolLM2, the two schemes
 // alternating step by step in one process, 6-8 rounds; docs/benchmarks.md): the caller's wait
 // 8.0 -> 2.9% of the layers' time at 12 rows, 10.6 -> 2.1% at 15; decode steps 0.94-0.98x the
-// time at 6-15 rows, 0.99x at 1-4; int8 (bound by reading the weights) unchanged.
+// time at 6-15 rows, 0.99x at 1-4; int8 (bound by reading the weights) unchanged. On AMD Zen 4
+// (fifty-fifth sitting): 1 row 0.97x, 8 rows 0.93x.
 constexpr int64_t kTaperFrom = 16;
 constexpr int64_t kTaperGrains = 5;
 constexpr int64_t kTaper[kTaperGrains] = {0, 8, 12, 14, 15};  // where they begin, in 16ths

@@ -480,7 +480,8 @@ struct Args {
 // wherever K2 did not divide it (a panel's 4 blocks in 3 chunks, 13-18 rows; the gated form's 2 + 2
 // in 3 or more). Measured on AMD Zen 5 (2 threads, SmolLM2, the two alternating in one process): a
 // decode step's 121 bf16 weights from DRAM, 14 rows 0.88x the time, 16 rows 0.87x; bf16 decode
-// steps of 6 requests 0.99x, 8 0.98x, 14 0.93x, 16 0.89x, 20 0.93x, 32 0.95x, 64 0.98x. The int8
+// steps of 6 requests 0.99x, 8 0.98x, 14 0.93x, 16 0.89x, 20 0.93x, 32 0.95x, 64 0.98x (on AMD
+// Zen 4, where 16-32 rows are bound by the multiply-adds, 8 0.99x, 16 1.01x, 32 1.00x). The int8
 // kernel keeps the count per pair: with the address's two registers in its loop, GCC 12 moved
 // accumulators to the stack and back on every pair (its panels 1.5x the time), and its panels,
 // bound by widening the values, gained nothing from the even schedule (0.99-1.01x).
@@ -568,11 +569,14 @@ typename F::Acc sum_chains(const typename F::Acc* acc) {
 // The AVX-512 int8 stream, half the bytes per product, prefetches each line 4 KB ahead
 // (prefetchnta): AMD Zen 5, SmolLM2 int8 decode steps, with and without alternating step by step
 // in one process (8 rounds each): 1 row 0.955-0.965x the time, 2 rows 0.94x, 4 rows 0.87-0.90x
-// (2 KB ahead 0.986x, 8 KB 0.971x at 1 row; prefetcht0 as good as prefetchnta). The
-// AVX2 build prefetches each line F::kAhead = 1 KB ahead (prefetcht0): on AMD Zen 3 (2 threads,
-// the same 121 weights, the two builds alternating in one process, 15 pairs) bf16 0.92x and
-// int8 0.90x the time (11.05 -> 10.54 ms, 6.64 -> 5.94); 2 KB ahead was no better, and 4
-// accumulator chains per row instead of 2 no faster in int8.
+// (2 KB ahead 0.986x, 8 KB 0.971x at 1 row; prefetcht0 as good as prefetchnta). On AMD Zen 4
+// (reads ~35 GB/s, where the hardware's prefetch alone keeps one row's stream at the bus) the
+// same A/B gave 1 row 1.03-1.06x the time, 2 rows 0.99x, 3 rows 0.95x, 4 rows 0.92x (8 KB ahead
+// 1.01x at 1 row, prefetcht1 1.06-1.07x at 1 and 4 rows): kept, a CPU's gain at 1 row being the
+// other's loss. The AVX2 build prefetches each line F::kAhead = 1 KB ahead (prefetcht0): on AMD
+// Zen 3 (2 threads, the same 121 weights, the two builds alternating in one process, 15 pairs)
+// bf16 0.92x and int8 0.90x the time (11.05 -> 10.54 ms, 6.64 -> 5.94); 2 KB ahead was no
+// better, and 4 accumulator chains per row instead of 2 no faster in int8.
 // The stream is read with non-temporal loads (vmovntdqa) where they are aligned. A plain read of
 // a decode step's 270 MB evicts the whole L3 (32 MB on the host measured), so the code and data
 // of every small op between two GEMVs came back cold from DRAM: a [1, 49152] argmax took 22 us
