@@ -162,6 +162,33 @@ def tiny(request: pytest.FixtureRequest, tiny_dirs: dict[str, Path]) -> tuple[Ti
     return spec, tiny_dirs[spec.name]
 
 
+DOCS_TEXT_FILES = ("README.md", "docs/architecture.md")  # the fixed text perplexity is taken on
+CAPITAL_QUESTION = [{"role": "user", "content": "Tell me the capital of France."}]
+
+
+def docs_text() -> str:
+    root = Path(__file__).resolve().parents[2]
+    return "\n\n".join((root / f).read_text() for f in DOCS_TEXT_FILES)
+
+
+def docs_perplexity_and_answer(path: str, **engine: Any) -> tuple[float, str]:
+    """SmolLM2's perplexity on the docs (512-token windows) and its greedy answer to the capital
+    question, on an engine built with ``engine``'s options."""
+    from minisgl.core import LLM, SamplingParams
+
+    with LLM(path, **engine) as llm:
+        ppl = llm.perplexity(docs_text(), window=512)
+        answer = llm.chat(CAPITAL_QUESTION, SamplingParams(max_tokens=16, temperature=0))[0].text
+    return ppl, answer
+
+
+@pytest.fixture(scope="session")
+def bf16_docs_baseline(smollm2_path: str) -> tuple[float, str]:
+    """The unquantized engine's (bf16 weights and KV pool) docs_perplexity_and_answer, once per
+    session: the int8 weight and int8 KV tests compare against the same run."""
+    return docs_perplexity_and_answer(smollm2_path)
+
+
 @pytest.fixture(autouse=True)
 def _single_thread_for_tiny_models(request: pytest.FixtureRequest) -> Iterator[None]:
     if request.node.get_closest_marker("slow") is not None:  # SmolLM2: real matmuls, keep threads

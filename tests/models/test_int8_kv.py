@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from minisgl.backends import cpu_kernels
-from minisgl.core import LLM, SamplingParams
+from minisgl.core import LLM
 from minisgl.core.kvcache import KVPool, quantize_kv_rows
 
-from .conftest import VOCAB
+from .conftest import VOCAB, docs_perplexity_and_answer
 from .reference import (
     greedy,
     hf_logits,
@@ -34,8 +34,6 @@ from .reference import (
     run_to_completion,
     submit,
 )
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _held(x: torch.Tensor) -> torch.Tensor:
@@ -150,14 +148,10 @@ def test_bad_kv_cache_dtype_is_refused(tiny_dirs: dict[str, Path],
 
 
 @pytest.mark.slow
-def test_smollm2_int8_kv_perplexity_within_1_percent(smollm2_path: str) -> None:
-    text = "\n\n".join((REPO / f).read_text() for f in ("README.md", "docs/architecture.md"))
-    question = [{"role": "user", "content": "Tell me the capital of France."}]
-    ppl, answers = {}, {}
-    for kv in ("auto", "int8"):
-        with LLM(smollm2_path, kv_cache_dtype=kv) as llm:
-            ppl[kv] = llm.perplexity(text, window=512)
-            answers[kv] = llm.chat(question, SamplingParams(max_tokens=16, temperature=0))[0].text
-    print(f"perplexity bf16 KV {ppl['auto']:.3f} int8 KV {ppl['int8']:.3f}; answers {answers}")
-    assert ppl["int8"] <= ppl["auto"] * 1.01
-    assert "Paris" in answers["int8"]
+def test_smollm2_int8_kv_perplexity_within_1_percent(
+        smollm2_path: str, bf16_docs_baseline: tuple[float, str]) -> None:
+    ppl, answer = docs_perplexity_and_answer(smollm2_path, kv_cache_dtype="int8")
+    print(f"perplexity bf16 KV {bf16_docs_baseline[0]:.3f} int8 KV {ppl:.3f}; "
+          f"answers {bf16_docs_baseline[1]!r} / {answer!r}")
+    assert ppl <= bf16_docs_baseline[0] * 1.01
+    assert "Paris" in answer

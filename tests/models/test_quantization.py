@@ -19,10 +19,8 @@ import torch
 from minisgl.core import LLM, SamplingParams
 from minisgl.core.layers.quant import INT8_MM_MAX_ROWS, int8_linear, quantize_rows
 
-from .conftest import VOCAB
+from .conftest import VOCAB, docs_perplexity_and_answer
 from .reference import hf_model, make_prompts
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_quantize_rows_round_trip() -> None:
@@ -83,14 +81,10 @@ def test_int8_engine_equals_hf_on_dequantized_weights(name: str, tiny_dirs: dict
 
 
 @pytest.mark.slow
-def test_smollm2_int8_perplexity_within_2_percent(smollm2_path: str) -> None:
-    text = "\n\n".join((REPO / f).read_text() for f in ("README.md", "docs/architecture.md"))
-    question = [{"role": "user", "content": "Tell me the capital of France."}]
-    ppl, answers = {}, {}
-    for q in (None, "int8"):
-        with LLM(smollm2_path, quantization=q) as llm:
-            ppl[q] = llm.perplexity(text, window=512)
-            answers[q] = llm.chat(question, SamplingParams(max_tokens=16, temperature=0))[0].text
-    print(f"perplexity bf16 {ppl[None]:.3f} int8 {ppl['int8']:.3f}; answers {answers}")
-    assert ppl["int8"] <= ppl[None] * 1.02
-    assert "Paris" in answers["int8"]
+def test_smollm2_int8_perplexity_within_2_percent(
+        smollm2_path: str, bf16_docs_baseline: tuple[float, str]) -> None:
+    ppl, answer = docs_perplexity_and_answer(smollm2_path, quantization="int8")
+    print(f"perplexity bf16 {bf16_docs_baseline[0]:.3f} int8 {ppl:.3f}; "
+          f"answers {bf16_docs_baseline[1]!r} / {answer!r}")
+    assert ppl <= bf16_docs_baseline[0] * 1.02
+    assert "Paris" in answer
