@@ -252,6 +252,59 @@ def test_decode_over_shared_prefixes_matches_float64(kv_heads: int, group: int,
     _assert_matches_float64(q, k, v, slots, kv_lens, [1] * len(rows))
 
 
+@pytest.mark.parametrize("case", ["decode-long", "decode-batch"])
+def test_split_follows_the_threads_it_is_given(case: str) -> None:
+    """threads=N: few decode requests' keys are split (split-K, and the parts merged) as for N
+    threads whatever the call runs on, so the output is the same to the bit on 1 thread as on
+    2 (the engine's thread tuner runs some steps on fewer threads than it has)."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    q, k, v, slots = _random_batch(case, 3, 3, 64, seed=4)
+    kv_lens = [n for _, n in CASES[case]]
+    ql = torch.ones(len(kv_lens), dtype=torch.int64)
+    args = (q, k, v, slots, torch.tensor(kv_lens), torch.cumsum(ql, 0) - ql, ql, 0.125, 0)
+    before = torch.get_num_threads()
+    outs = {}
+    try:
+        for n in (2, 1, 3):
+            torch.set_num_threads(n)
+            outs[n] = cpu_kernels.paged_attention(*args, threads=2)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[1], outs[2]) and torch.equal(outs[3], outs[2])
+    ref = reference(q, k, v, slots, kv_lens, [1] * len(kv_lens), 0.125)
+    assert (outs[2].double() - ref).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("phase", ["decode", "extend"])
+def test_requests_without_queries_are_skipped(phase: str) -> None:
+    """q_lens[b] = 0 (what a step's last layer asks for a request it samples nothing from):
+    the other requests' queries, not back to back in q, attend as they would alone (float64
+    reference), also beside requests of no queries that share their cached prefix (a decode
+    step's groups) and whose q_start names another request's row."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    gen = torch.Generator().manual_seed(3)
+    kv_heads, group, d, pool = 3, 3, 64, 4096
+    k = torch.randn(kv_heads, pool, d, generator=gen).bfloat16()
+    v = torch.randn(kv_heads, pool, d, generator=gen).bfloat16()
+    perm = torch.randperm(pool - 1, generator=gen) + 1
+    shared = perm[:96]  # requests 0, 1 and 3 start with the same 96 slots
+    slots = torch.stack([torch.cat([shared, perm[100 + 300 * i: 100 + 300 * i + 204]])
+                         if i != 2 else perm[1300:1600] for i in range(4)])
+    kv_lens = [150, 290, 77, 120]
+    q_lens = [1, 0, 1, 0] if phase == "decode" else [5, 0, 1, 17]
+    # rows 0, 6, 7, ... of q belong to nobody; a request of no queries names request 0's row
+    # (were it run, it would write its own result there)
+    q_start = [1, 1, 8, 30]
+    q = (2 * torch.randn(60, kv_heads * group, d, generator=gen)).bfloat16()
+    scale = d ** -0.5
+    out = cpu_kernels.paged_attention(q, k, v, slots, torch.tensor(kv_lens),
+                                      torch.tensor(q_start), torch.tensor(q_lens), scale)
+    for b, (s, n) in enumerate(zip(q_start, q_lens)):
+        if n > 0:
+            ref = reference(q[s:s + n], k, v, slots[b:b + 1], [kv_lens[b]], [n], scale)
+            assert (out[s:s + n].double() - ref).abs().max().item() < 2e-2
+
+
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim"),
                          [(3, 3, 64), (1, 8, 32), (2, 2, 128), (1, 2, 256)])
 def test_extend_over_shared_prefixes_matches_float64(kv_heads: int, group: int,
@@ -1524,6 +1577,55 @@ def test_decoder_layer_matches_its_steps(kv_lens: list[int], q_lens: list[int], 
         torch.testing.assert_close(got, want, atol=2 ** -4, rtol=1.6e-2)
 
 
+class _Layers:
+    """Three SmolLM2-shaped layers with their own weights, norms, biases and q/k norms (where
+    given), pools and windows (the middle one sliding), and one step's inputs for them."""
+
+    def __init__(self, kv_lens: list[int], q_lens: list[int], extras: bool, int8: bool) -> None:
+        g = torch.Generator().manual_seed(sum(kv_lens) * 7 + sum(q_lens))
+        hidden, inter, heads, kv_heads, d, pages, n_layers = 576, 1536, 9, 3, 64, 512, 3
+        self.windows, self.heads, self.kv_heads, self.d = [0, 24, 0], heads, kv_heads, d
+        m = sum(q_lens)
+        shapes = [((heads + 2 * kv_heads) * d, hidden), (hidden, heads * d), (2 * inter, hidden),
+                  (hidden, inter)]
+        self.weights: list[torch.Tensor] = []
+        self.scales: list[torch.Tensor] = []
+        self.norms: list[torch.Tensor] = []
+        self.qkv_biases: list[torch.Tensor] = []
+        self.o_biases: list[torch.Tensor] = []
+        self.qk_norms: list[torch.Tensor] = []
+        for _ in range(n_layers):
+            ws = [(torch.randn(n, k, generator=g) / math.sqrt(k)).bfloat16() for n, k in shapes]
+            layer_weights, layer_scales = _pack(ws, int8)
+            self.weights += layer_weights
+            self.scales += layer_scales
+            self.norms += list((1 + 0.1 * torch.randn(2, hidden, generator=g)).bfloat16())
+            if extras:
+                self.qkv_biases.append(
+                    torch.randn((heads + 2 * kv_heads) * d, generator=g).bfloat16())
+                self.o_biases.append(torch.randn(hidden, generator=g).bfloat16())
+                self.qk_norms += list((1 + 0.1 * torch.randn(2, d, generator=g)).bfloat16())
+        pos = torch.cat([torch.arange(n - q, n) for n, q in zip(kv_lens, q_lens)])
+        angle = pos[:, None].float() * (1e4 ** -(torch.arange(d // 2) / (d // 2)))[None]
+        self.cos, self.sin = (torch.cat([f(angle)] * 2, dim=-1).bfloat16()
+                              for f in (torch.cos, torch.sin))
+        self.pools = torch.randn(n_layers, 2, kv_heads, pages, d, generator=g).bfloat16()
+        perm = torch.randperm(pages - 1, generator=g) + 1
+        lk = max(kv_lens)
+        slots = torch.stack([perm[i * lk:(i + 1) * lk] for i in range(len(kv_lens))])
+        out_loc = torch.cat([slots[i, n - q:n] for i, (n, q) in enumerate(zip(kv_lens, q_lens))])
+        q_start = torch.tensor([0, *itertools.accumulate(q_lens)][:-1])
+        self.index = (out_loc, slots, torch.tensor(kv_lens), q_start, torch.tensor(q_lens))
+        self.x = torch.randn(m, hidden, generator=g).bfloat16()
+        self.residual = torch.randn(m, hidden, generator=g).bfloat16()
+
+    def run(self, pools: torch.Tensor) -> cpu_kernels.LayerRun:
+        return cpu_kernels.LayerRun(self.norms, self.weights, self.scales, self.qkv_biases,
+                                    self.o_biases, self.qk_norms, list(pools[:, 0]),
+                                    list(pools[:, 1]), self.windows, self.d ** -0.5, 1e-5,
+                                    self.heads, self.kv_heads)
+
+
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize(("kv_lens", "q_lens", "extras"), [
     ([37], [1], False), ([5, 130, 64], [1, 1, 1], True), ([70, 20], [70, 1], False),
@@ -1531,59 +1633,60 @@ def test_decoder_layer_matches_its_steps(kv_lens: list[int], q_lens: list[int], 
 def test_decoder_layers_is_its_layers_one_after_another(kv_lens: list[int], q_lens: list[int],
                                                         extras: bool, int8: bool) -> None:
     """A run of layers bound once (LayerRun), then in one call (decoder_layers), against
-    decoder_layer called for each in turn, the output and residual of one the input of the next: the same kernels in the same
-    order, so equal to the bit, the pools too. Three layers with their own weights, norms,
-    biases and q/k norms (where given), pools and windows (the middle one sliding); decode,
-    prefill and mixed steps, the first layers of a model (no residual) and later ones."""
+    decoder_layer called for each in turn, the output and residual of one the input of the
+    next: the same kernels in the same order, so equal to the bit, the pools too. Three layers
+    (_Layers); decode, prefill and mixed steps, the first layers of a model (no residual) and
+    later ones."""
     assert cpu_kernels.load(), cpu_kernels.load_error
-    g = torch.Generator().manual_seed(sum(kv_lens) * 7 + sum(q_lens))
-    hidden, inter, heads, kv_heads, d, pages, n_layers = 576, 1536, 9, 3, 64, 512, 3
-    windows = [0, 24, 0]
-    m = sum(q_lens)
-    shapes = [((heads + 2 * kv_heads) * d, hidden), (hidden, heads * d), (2 * inter, hidden),
-              (hidden, inter)]
-    weights: list[torch.Tensor] = []
-    scales: list[torch.Tensor] = []
-    norms, qkv_biases, o_biases, qk_norms = [], [], [], []
-    for _ in range(n_layers):
-        ws = [(torch.randn(n, k, generator=g) / math.sqrt(k)).bfloat16() for n, k in shapes]
-        layer_weights, layer_scales = _pack(ws, int8)
-        weights += layer_weights
-        scales += layer_scales
-        norms += list((1 + 0.1 * torch.randn(2, hidden, generator=g)).bfloat16())
-        if extras:
-            qkv_biases.append(torch.randn((heads + 2 * kv_heads) * d, generator=g).bfloat16())
-            o_biases.append(torch.randn(hidden, generator=g).bfloat16())
-            qk_norms += list((1 + 0.1 * torch.randn(2, d, generator=g)).bfloat16())
-    pos = torch.cat([torch.arange(n - q, n) for n, q in zip(kv_lens, q_lens)])
-    angle = pos[:, None].float() * (1e4 ** -(torch.arange(d // 2) / (d // 2)))[None]
-    cos, sin = (torch.cat([f(angle)] * 2, dim=-1).bfloat16() for f in (torch.cos, torch.sin))
-    pools = torch.randn(n_layers, 2, kv_heads, pages, d, generator=g).bfloat16()
-    perm = torch.randperm(pages - 1, generator=g) + 1
-    lk = max(kv_lens)
-    slots = torch.stack([perm[i * lk:(i + 1) * lk] for i in range(len(kv_lens))])
-    out_loc = torch.cat([slots[i, n - q:n] for i, (n, q) in enumerate(zip(kv_lens, q_lens))])
-    q_start = torch.tensor([0, *itertools.accumulate(q_lens)][:-1])
-    index = (out_loc, slots, torch.tensor(kv_lens), q_start, torch.tensor(q_lens))
-    x = torch.randn(m, hidden, generator=g).bfloat16()
-    for res in (None, torch.randn(m, hidden, generator=g).bfloat16()):
-        got_pools, want_pools = pools.clone(), pools.clone()
-        run = cpu_kernels.LayerRun(norms, weights, scales, qkv_biases, o_biases, qk_norms,
-                                   list(got_pools[:, 0]), list(got_pools[:, 1]), windows,
-                                   d ** -0.5, 1e-5, heads, kv_heads)
-        y, r = cpu_kernels.decoder_layers(run, x, res, cos, sin, *index)
-        want_y, want_r = x, res
-        for i in range(n_layers):
+    t = _Layers(kv_lens, q_lens, extras, int8)
+    for res in (None, t.residual):
+        got_pools, want_pools = t.pools.clone(), t.pools.clone()
+        y, r = cpu_kernels.decoder_layers(t.run(got_pools), t.x, res, t.cos, t.sin, *t.index)
+        want_y, want_r = t.x, res
+        for i in range(3):
             want_y, want_r = cpu_kernels.decoder_layer(
-                want_y, want_r, norms[2 * i], norms[2 * i + 1], weights[4 * i:4 * i + 4],
-                scales[4 * i:4 * i + 4], *((qkv_biases[i], o_biases[i], *qk_norms[2 * i:2 * i + 2])
-                                           if extras else (None,) * 4),
-                cos, sin, want_pools[i, 0], want_pools[i, 1], *index, d ** -0.5, 1e-5, heads,
-                kv_heads, windows[i])
+                want_y, want_r, t.norms[2 * i], t.norms[2 * i + 1], t.weights[4 * i:4 * i + 4],
+                t.scales[4 * i:4 * i + 4],
+                *((t.qkv_biases[i], t.o_biases[i], *t.qk_norms[2 * i:2 * i + 2])
+                  if extras else (None,) * 4),
+                t.cos, t.sin, want_pools[i, 0], want_pools[i, 1], *t.index, t.d ** -0.5, 1e-5,
+                t.heads, t.kv_heads, t.windows[i])
         assert torch.equal(y, want_y) and torch.equal(r, want_r)
         assert torch.equal(got_pools, want_pools)
-        assert not torch.equal(got_pools, pools)  # the new K/V were stored, in every layer
-        assert all(not torch.equal(got_pools[i], pools[i]) for i in range(n_layers))
+        assert not torch.equal(got_pools, t.pools)  # the new K/V were stored, in every layer
+        assert all(not torch.equal(got_pools[i], t.pools[i]) for i in range(3))
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize(("kv_lens", "q_lens", "rows"), [
+    ([70, 20], [70, 1], [69, 70]),  # a prefill's last row and a decode row: what a step samples
+    ([33, 90], [33, 17], [32, 47, 48, 49]),  # a request's last 3 rows (a draft's)
+    ([33, 90], [33, 17], [49]),  # nothing from the first request (a chunk that goes on)
+    ([70, 20], [70, 1], [0, 40, 69]),  # not each request's last rows
+    ([33, 90], [33, 17], [40, 3, 40]),  # out of order, one twice
+    ([70, 20], [70, 1], []),  # none: the K/V only
+    ([5, 130, 64], [1, 1, 1], [2, 0])])  # decode rows
+def test_decoder_layers_last_layer_for_some_rows(kv_lens: list[int], q_lens: list[int],
+                                                 rows: list[int], int8: bool) -> None:
+    """decoder_layers(..., rows): the last layer's output and residual of those rows only, in
+    their order, against the rows of the whole step's (the same up to the order of float32
+    sums: the kept queries attend alone, the linears run on fewer rows), and every row's K/V
+    stored in every layer as the whole step stores them (to the bit)."""
+    assert cpu_kernels.load(), cpu_kernels.load_error
+    t = _Layers(kv_lens, q_lens, True, int8)
+    whole_pools, some_pools = t.pools.clone(), t.pools.clone()
+    y, r = cpu_kernels.decoder_layers(t.run(whole_pools), t.x, t.residual, t.cos, t.sin,
+                                      *t.index)
+    pick = torch.tensor(rows, dtype=torch.int64)
+    got_y, got_r = cpu_kernels.decoder_layers(t.run(some_pools), t.x, t.residual, t.cos, t.sin,
+                                              *t.index, pick)
+    assert got_y.shape == got_r.shape == (len(rows), t.x.shape[1])
+    assert torch.equal(some_pools, whole_pools)
+    torch.testing.assert_close(got_r, r[pick], atol=2 ** -4, rtol=1.6e-2)
+    torch.testing.assert_close(got_y, y[pick], atol=2 ** -4, rtol=1.6e-2)
+    with pytest.raises(RuntimeError, match="rows"):
+        cpu_kernels.decoder_layers(t.run(some_pools), t.x, t.residual, t.cos, t.sin, *t.index,
+                                   torch.tensor([t.x.shape[0]]))
 
 
 def _tiny_layer(rows: int) -> tuple[int, list[torch.Tensor], torch.Tensor, torch.Tensor,

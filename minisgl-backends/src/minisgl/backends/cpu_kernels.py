@@ -221,7 +221,7 @@ def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def _register_fake() -> None:
     @torch.library.register_fake("minisgl_cpu::paged_attention")
     def _(q, k, v, slots, kv_lens, q_start, q_lens, scale,  # type: ignore[no-untyped-def]
-          window=0):
+          window=0, threads=0):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("minisgl_cpu::int8_linear")
@@ -233,8 +233,10 @@ def _register_fake() -> None:
         return torch.empty_like(x), torch.empty_like(x)
 
     @torch.library.register_fake("minisgl_cpu::decoder_layers")
-    def _(x, residual, *rest):  # type: ignore[no-untyped-def]
-        return torch.empty_like(x), torch.empty_like(x)
+    def _(x, residual, run, cos, sin, out_loc, slots, kv_lens, q_start,  # type: ignore[no-untyped-def]
+          q_lens, rows=None):
+        n = x.shape[0] if rows is None else rows.shape[0]
+        return x.new_empty(n, x.shape[1]), x.new_empty(n, x.shape[1])
 
     @torch.library.register_fake("minisgl_cpu::rms_norm")
     def _(x, residual, weight, eps):  # type: ignore[no-untyped-def]
@@ -268,16 +270,21 @@ def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: in
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                     kv_lens: torch.Tensor, q_start: torch.Tensor, q_lens: torch.Tensor,
-                    scale: float, window: int = 0) -> torch.Tensor:
+                    scale: float, window: int = 0, threads: int = 0) -> torch.Tensor:
     """Causal attention of a batch's new tokens over their requests' pool slots, in place.
 
     q [T, H, D] bf16 (request b's queries are rows q_start[b] .. + q_lens[b], the last q_lens[b]
     of its kv_lens[b] positions); k, v [KVH, S, D] bf16, the pool with the new K/V already
     written; slots [B, Lk] int64 (row b's first kv_lens[b] entries are its slots in position
-    order). ``window`` > 0: a query at position p sees keys p - window + 1 .. p only (a sliding
-    window; its keys further back are not read). Returns [T, H, D]."""
+    order; a request with q_lens[b] = 0 is skipped, its rows of the result left as they were
+    allocated). ``window`` > 0: a query at position p sees keys p - window + 1 .. p only (a sliding
+    window; its keys further back are not read). ``threads`` (0: the call's
+    ``torch.get_num_threads()``): the thread count that decides how far few decode requests'
+    keys are split over the threads, and so the order of their sums: an engine passes its own,
+    so that the steps its thread tuner runs on fewer threads give the same numbers. Returns
+    [T, H, D]."""
     out: torch.Tensor = torch.ops.minisgl_cpu.paged_attention(q, k, v, slots, kv_lens, q_start,
-                                                              q_lens, scale, window)
+                                                              q_lens, scale, window, threads)
     return out
 
 
@@ -312,7 +319,7 @@ class LayerRun:
     ``scales`` (int8; empty for bf16), its qkv and o bias (one per layer, or empty lists where
     the layers have none), its q and k norms (``qk_norms[2l:2l + 2]``, or empty),
     ``k_pools[l]``, ``v_pools[l]``, ``windows[l]``; ``scale``, ``eps`` and the head counts as
-    for ``decoder_layer``, shared. ``handle`` is the run's id in an int64 tensor [1]: what a step
+    for ``decoder_layer``, shared; ``threads``: the attention's, as for ``paged_attention``. ``handle`` is the run's id in an int64 tensor [1]: what a step
     passes instead of the ~8 tensors per layer (cpu_layer.cpp says why). The kernels hold
     the tensors until this object is collected."""
 
@@ -320,11 +327,11 @@ class LayerRun:
                  scales: list[torch.Tensor], qkv_biases: list[torch.Tensor],
                  o_biases: list[torch.Tensor], qk_norms: list[torch.Tensor],
                  k_pools: list[torch.Tensor], v_pools: list[torch.Tensor], windows: list[int],
-                 scale: float, eps: float, heads: int, kv_heads: int) -> None:
+                 scale: float, eps: float, heads: int, kv_heads: int, threads: int = 0) -> None:
         ops = torch.ops.minisgl_cpu
         self.handle: torch.Tensor = ops.bind_layers(norms, weights, scales, qkv_biases, o_biases,
                                                     qk_norms, k_pools, v_pools, windows, scale,
-                                                    eps, heads, kv_heads)
+                                                    eps, heads, kv_heads, threads)
         self.num_layers = len(k_pools)
         # a C function, not an op: the collector may run this while the thread traces a graph
         # (under the fake-tensor mode, which refuses real tensors); no Python frame either
@@ -335,9 +342,13 @@ class LayerRun:
 def decoder_layers(run: LayerRun, x: torch.Tensor, residual: torch.Tensor | None,
                    cos: torch.Tensor, sin: torch.Tensor, out_loc: torch.Tensor,
                    slots: torch.Tensor, kv_lens: torch.Tensor, q_start: torch.Tensor,
-                   q_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   q_lens: torch.Tensor, rows: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The layers of ``run`` in one call, each as ``decoder_layer``; returns the last one's
-    (output, residual). The rest as for ``decoder_layer``, shared by the layers."""
+    (output, residual). The rest as for ``decoder_layer``, shared by the layers. ``rows``
+    (int64, rows of x): the last layer's (output, residual) of those rows only, in that order;
+    every row's K/V is stored, the last layer's attention, O and MLP run for them alone (a
+    prefill step's sampled rows; see ``layer_into`` in cpu_layer.cpp)."""
     y, r = torch.ops.minisgl_cpu.decoder_layers(x, residual, run.handle, cos, sin, out_loc,
-                                                slots, kv_lens, q_start, q_lens)
+                                                slots, kv_lens, q_start, q_lens, rows)
     return y, r

@@ -107,6 +107,10 @@ class TorchNativeBackend(AttentionBackend):
                            and not torch.ops.mkldnn._is_mkldnn_bf16_supported())
         if self.fused_layers:
             register_fused_decoder_layers(bind_decoder_layers)
+        # the engine's thread count (set before it builds the backend): the kernel splits few
+        # decode requests' keys for it, also in the steps its thread tuner runs on fewer
+        # threads, so that those give the same numbers (cpu_kernels.paged_attention)
+        self.threads = torch.get_num_threads()
 
     def prepare(self, layout: BatchLayout) -> TorchNativeMeta:
         if self.uses_cpu_kernel:
@@ -183,7 +187,7 @@ class TorchNativeBackend(AttentionBackend):
             qh = q.reshape(q.shape[0], self.num_heads, self.head_dim).to(self.kv.dtype).contiguous()
             out = cpu_kernels.paged_attention(qh, self.kv.k[layer], self.kv.v[layer], a.slots,
                                               a.kv_lens, a.q_start, a.q_lens, self.scale,
-                                              self.windows[layer])
+                                              self.windows[layer], self.threads)
             return out.view(q.shape[0], -1).to(q.dtype)
         window = self.windows[layer]
         if meta.kv_slots is not None and meta.mask is not None:
@@ -272,7 +276,7 @@ class FusedLayerRun:
         cos, sin = cos_sin  # [T, 1, head_dim] as they are (no reshape op: the kernel takes them)
         a = meta.kernel
         return cpu_kernels.decoder_layers(self.run, x, residual, cos, sin, meta.out_loc, a.slots,
-                                          a.kv_lens, a.q_start, a.q_lens)
+                                          a.kv_lens, a.q_start, a.q_lens, ctx.out_rows)
 
 
 def bind_decoder_layers(layers: Sequence[DecoderLayerParts], backend: AttentionBackend
@@ -301,5 +305,5 @@ def bind_decoder_layers(layers: Sequence[DecoderLayerParts], backend: AttentionB
     run = cpu_kernels.LayerRun(
         norms, weights, scales, qkv_biases, o_biases, qk_norms, [kv.k[i] for i in ids],
         [kv.v[i] for i in ids], [backend.windows[i] for i in ids], backend.scale,
-        first.in_norm.eps, first.qkv.num_heads, first.qkv.num_kv_heads)
+        first.in_norm.eps, first.qkv.num_heads, first.qkv.num_kv_heads, backend.threads)
     return FusedLayerRun(backend, run)

@@ -82,7 +82,14 @@ class AttentionBackend(abc.ABC):
 
 @dataclass
 class ForwardContext:
-    """Everything a model's forward needs besides token ids and positions: passed explicitly."""
+    """Everything a model's forward needs besides token ids and positions: passed explicitly.
+
+    ``out_rows``: the rows of the step's tokens whose hidden states the caller reads (int64,
+    ascending: the rows it samples from), or None for every row. A model may then return just
+    those rows, in that order, and skip what only the others need: in its last layer everything
+    after the K/V (every token's K/V is still stored). A model that ignores it returns every row
+    and the engine picks the ones it needs."""
 
     backend: AttentionBackend
     meta: Any
+    out_rows: torch.Tensor | None = None

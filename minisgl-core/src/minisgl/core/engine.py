@@ -277,7 +277,8 @@ class Engine:
                 out = self._run_graph(inputs.layout, args)
                 if out is not None:
                     return out
-            return self._forward(*args, resolve=inputs.placeholders)
+            return self._forward(*args, resolve=inputs.placeholders,
+                                 pick=self.comm.world_size == 1)
 
     def _run_graph(self, layout: BatchLayout, args: tuple[Any, ...]) -> torch.Tensor | None:
         assert self.graphs is not None
@@ -297,17 +298,25 @@ class Engine:
         return None if out is None else out[:rows]
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any,
-                 logits_indices: torch.Tensor, resolve: bool = True) -> torch.Tensor:
+                 logits_indices: torch.Tensor, resolve: bool = True, pick: bool = False
+                 ) -> torch.Tensor:
         """The forward itself (what ``graphs`` compile, ``resolve`` left True). An eager step
         skips the torch ops it can tell it does not need: the placeholders' lookup where
         ``prepare`` saw none (``resolve`` False), the gather of the sampled rows where they are
         every row, in order (a decode step's; ``prepare`` lists each request's rows in order).
         Right after the weights' stream each small op costs ~10-40 us (its code and data back
-        from DRAM): these were 6 of the ~30 outside the kernels in a batch-1 decode step."""
+        from DRAM): these were 6 of the ~30 outside the kernels in a batch-1 decode step.
+        ``pick`` (an eager step of a single rank): where the sampled rows are not every row, name
+        them to the model (ForwardContext.out_rows), whose last layer then runs attention, O
+        and the MLP for them alone. Not at TP > 1: a rank on a compiled graph runs every row,
+        and its collectives would not match another rank's eager ones."""
         if resolve:
             ids = torch.where(ids >= 0, ids, self.future[(-1 - ids).clamp(min=0)])
-        hidden = self.model(ids, positions, ForwardContext(self.backend, meta))
-        if torch.compiler.is_compiling() or logits_indices.shape[0] != hidden.shape[0]:
+        rows = logits_indices if pick and logits_indices.shape[0] != ids.shape[0] else None
+        hidden = self.model(ids, positions, ForwardContext(self.backend, meta, rows))
+        # (rows named: the model returned them, or every row where it does not pick)
+        if (rows is None and torch.compiler.is_compiling()) \
+                or logits_indices.shape[0] != hidden.shape[0]:
             hidden = hidden[logits_indices]
         return self.model.compute_logits(hidden).float()
 

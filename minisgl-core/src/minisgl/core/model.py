@@ -32,7 +32,8 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
-        """Hidden states [T, hidden] for the T flattened tokens of a batch."""
+        """Hidden states [T, hidden] for the T flattened tokens of a batch, or only the rows
+        ``ctx.out_rows`` lists, in its order, where it is given (see ForwardContext)."""
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

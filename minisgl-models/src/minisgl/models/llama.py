@@ -54,14 +54,17 @@ class LlamaAttention(nn.Module):
         self.attn = AttentionLayer(layer_id, self.heads, self.kv_heads, d)
         self.head_dim = d
 
-    def forward(self, rope: CosSin, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, rope: CosSin, x: torch.Tensor, ctx: ForwardContext,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """O of the attention of every row of x (its K/V stored), or of ``rows`` only."""
         t, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
         q, k = q.view(t, self.heads, d), k.view(t, self.kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
         q, k = RotaryEmbedding.rotate(q, k, rope)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        a = self.attn(q, k, v, ctx)
+        return self.o_proj(a if rows is None else a[rows])
 
 
 class LlamaMLP(nn.Module):
@@ -89,9 +92,13 @@ class LlamaDecoderLayer(nn.Module):
                                        mlp.down_proj, attn.q_norm, attn.k_norm)
 
     def forward(self, rope: CosSin, x: torch.Tensor, residual: torch.Tensor | None,
-                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+                ctx: ForwardContext, rows: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, residual) of every row, or of ``rows`` only (every row's K/V stored)."""
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(rope, h, ctx)
+        h = self.self_attn(rope, h, ctx, rows)
+        if rows is not None:
+            residual = residual[rows]
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -117,9 +124,10 @@ class LlamaModel(nn.Module):
         fused = None if self.fused is None else self.fused(x, residual, rope, ctx)
         if fused is not None:
             x, residual = fused
-        else:
-            for layer in self.layers:
-                x, residual = layer(rope, x, residual, ctx)
+        else:  # the last layer for ctx.out_rows only (ForwardContext)
+            last = len(self.layers) - 1
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(rope, x, residual, ctx, ctx.out_rows if i == last else None)
         return self.norm(x, residual)[0]
 
 

@@ -8,7 +8,8 @@
 // records; see load_block, and dequant_rows in the AVX2 build); slots [B, Lk] int64 (row b:
 // request b's pool slots in position order); kv_lens [B];
 // q_start, q_lens [B] (request b's queries are rows q_start[b] ... of q, the last q_lens[b]
-// positions of its kv_lens[b]). Causal: query i of b (at position p = kv_lens[b] - q_lens[b] + i)
+// positions of its kv_lens[b]; none where q_lens[b] = 0: the request is skipped, and rows of q
+// that no request names are neither read nor written). Causal: query i of b (at position p = kv_lens[b] - q_lens[b] + i)
 // sees keys 0 .. p, or with a sliding window W > 0 only the last W of them, p - W + 1 .. p.
 //
 // Work items are (request, kv head, block of up to 16 queries, key split); a query block's rows
@@ -1840,11 +1841,16 @@ struct CallScratch {
 #endif
 
 // out [T, H, D] = attention of q [T, H, D] (bf16 rows back to back) over the pool k, v; the rest
-// as the paged_attention op, whose checks of q's tensor the caller has made.
+// as the paged_attention op, whose checks of q's tensor the caller has made. split_threads (0:
+// this call's at::get_num_threads()): the thread count that decides how far decode requests'
+// keys are split (split-K; a shared prefix's pieces), which changes the order of the sums: an
+// engine passes its own, so that a step it runs on fewer threads (minisgl/core/threads.py, the
+// thread tuner) sums as every other step does and gives the same numbers to the bit.
 void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, int64_t Dq,
                     const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                     const at::Tensor& kv_lens, const at::Tensor& q_start,
-                    const at::Tensor& q_lens, double scale, int64_t window, c10::BFloat16* op) {
+                    const at::Tensor& q_lens, double scale, int64_t window, c10::BFloat16* op,
+                    int64_t split_threads = 0) {
   TORCH_CHECK(MINISGL_ATTN_ANY, "paged_attention needs AVX2 with FMA (or AVX512-BF16)");
   const bool q8 = k.scalar_type() == at::kChar;
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() &&
@@ -1857,6 +1863,7 @@ void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, int64_t Dq,
               "query heads must be 1-8 times the kv heads");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window), got ", window);
   TORCH_CHECK(scale > 0, "scale must be > 0, got ", scale);
+  TORCH_CHECK(split_threads >= 0, "threads must be >= 0 (0: the call's), got ", split_threads);
   for (const at::Tensor* t : {&slots, &kv_lens, &q_start, &q_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "index tensors: contiguous int64");
   const int64_t B = slots.size(0);
@@ -1871,18 +1878,21 @@ void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, int64_t Dq,
   const int64_t* ql = q_lens.data_ptr<int64_t>();
   int64_t max_q = 0, max_kv = 0, work = 0;
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(ql[b] >= 1 && ql[b] <= kl[b] && kl[b] <= Lk && qs[b] >= 0 && qs[b] + ql[b] <= T,
+    TORCH_CHECK(ql[b] >= 0 && ql[b] <= kl[b] && kl[b] <= Lk && qs[b] >= 0 && qs[b] + ql[b] <= T,
                 "request ", b, ": bad lengths");
     max_q = std::max(max_q, ql[b]);
     max_kv = std::max(max_kv, kl[b]);
     work += (ql[b] + QB - 1) / QB * KVH;
   }
-  // Few items (small decode batches): split each request's keys so every thread has work.
+  // Few items (small decode batches): split each request's keys so every thread has work (as
+  // many threads as split_threads says: see above).
   const int64_t threads = at::get_num_threads();
+  const int64_t for_threads = split_threads > 0 ? split_threads : threads;
   int64_t splits = 1;
-  if (max_q == 1 && work < 4 * threads) {
+  if (max_q == 1 && work < 4 * for_threads) {
     const int64_t keys = window > 0 ? std::min(max_kv, window) : max_kv;  // per query at most
-    splits = std::clamp<int64_t>((4 * threads + work - 1) / work, 1, std::max<int64_t>(1, keys / 64));
+    splits = std::clamp<int64_t>((4 * for_threads + work - 1) / work, 1,
+                                 std::max<int64_t>(1, keys / 64));
   }
   // (references bound on this thread: the other threads would see their own by the name)
   static thread_local CallScratch call_scratch;
@@ -1898,18 +1908,20 @@ void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, int64_t Dq,
   if (max_q == 1 && window == 0) {
     // Decode requests whose slot rows start alike share a cached prefix: its K/V blocks are
     // loaded and transposed once for the queries of up to QB requests instead of once each.
-    auto& order = cs.order;
-    order.resize(B);
-    for (int64_t b = 0; b < B; ++b) order[b] = b;
+    auto& order = cs.order;  // (requests with a query)
+    order.clear();
+    for (int64_t b = 0; b < B; ++b)
+      if (ql[b] > 0) order.push_back(b);
+    const int64_t BQ = static_cast<int64_t>(order.size());
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t a, int64_t b) { return sp[a * Lk] < sp[b * Lk]; });
     auto& groups = cs.groups;
     groups.clear();
     int64_t whole = 0;  // shared items with each group's keys in one piece
-    for (int64_t i = 0, j; i < B; i = j) {
+    for (int64_t i = 0, j; i < BQ; i = j) {
       const int64_t* first = sp + order[i] * Lk;
       int64_t common = kl[order[i]] / KB * KB;
-      for (j = i + 1; j < B && sp[order[j] * Lk] == first[0]; ++j)
+      for (j = i + 1; j < BQ && sp[order[j] * Lk] == first[0]; ++j)
         common = common_blocks(first, sp + order[j] * Lk, std::min(common, kl[order[j]]));
       if (j - i < 2 || common < 2 * KB) continue;
       groups.push_back({i, j, common});
@@ -1918,7 +1930,7 @@ void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, int64_t Dq,
     // Split the shared keys only as far as the threads need (4 items each): every piece is one
     // more part per member to merge, and one more pass over its queries' setup.
     const int64_t pieces =
-        std::max<int64_t>(1, (4 * threads + whole - 1) / std::max<int64_t>(1, whole));
+        std::max<int64_t>(1, (4 * for_threads + whole - 1) / std::max<int64_t>(1, whole));
     for (const Group& gr : groups) {
       const int64_t chunk = std::max<int64_t>(
           16 * KB, ((gr.common + pieces - 1) / pieces + 4 * KB - 1) / (4 * KB) * (4 * KB));
@@ -2110,12 +2122,13 @@ void attention_into(const c10::BFloat16* qp, int64_t T, int64_t H, int64_t Dq,
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& slots, const at::Tensor& kv_lens,
                            const at::Tensor& q_start, const at::Tensor& q_lens, double scale,
-                           int64_t window) {
+                           int64_t window, int64_t threads) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16,
               "q: contiguous bfloat16 [T, H, D]");  // (k and v: attention_into)
   auto out = at::empty(q.sizes(), q.options());
   attention_into(q.const_data_ptr<c10::BFloat16>(), q.size(0), q.size(1), q.size(2), k, v, slots,
-                 kv_lens, q_start, q_lens, scale, window, out.mutable_data_ptr<c10::BFloat16>());
+                 kv_lens, q_start, q_lens, scale, window, out.mutable_data_ptr<c10::BFloat16>(),
+                 threads);
   return out;
 }
 
@@ -2125,15 +2138,17 @@ void minisgl::paged_attention_into(const c10::BFloat16* q, int64_t T, int64_t H,
                                    const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& slots, const at::Tensor& kv_lens,
                                    const at::Tensor& q_start, const at::Tensor& q_lens,
-                                   double scale, int64_t window, c10::BFloat16* out) {
-  attention_into(q, T, H, D, k, v, slots, kv_lens, q_start, q_lens, scale, window, out);
+                                   double scale, int64_t window, c10::BFloat16* out,
+                                   int64_t split_threads) {
+  attention_into(q, T, H, D, k, v, slots, kv_lens, q_start, q_lens, scale, window, out,
+                 split_threads);
 }
 
 TORCH_LIBRARY(minisgl_cpu, m) {
   m.def("available() -> bool", &available);
   m.def("int8_kv() -> bool", &int8_kv);
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor kv_lens, "
-        "Tensor q_start, Tensor q_lens, float scale, int window=0) -> Tensor");
+        "Tensor q_start, Tensor q_lens, float scale, int window=0, int threads=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minisgl_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

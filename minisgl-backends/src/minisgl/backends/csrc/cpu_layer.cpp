@@ -26,6 +26,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/full.h>
 #include <c10/util/BFloat16.h>
 #include <linux/futex.h>
@@ -232,6 +233,12 @@ void quantize_row(const bf16* x, int64_t D, int8_t* out) {
 // decoder_layer's (y, r2), written to y and r2 [M, hidden]: these may be x's and residual's
 // memory (both are read, into scratch, before either is written), so that a run of layers
 // updates one pair in place instead of allocating two tensors per layer.
+// keep (MK rows of x, or null for all M): the rows whose (y, r2) the caller reads, the only ones
+// written, to the first MK rows of y and r2 in keep's order. Every row's K and V are stored; the
+// attention, O and the MLP run for the kept rows alone (the last layer of a step that samples
+// from a prefill's last tokens: for a 1,024-token prompt all but 1/1,024 of that layer's work
+// after its K/V). Where the kept rows are each request's last (suffixes of their rows, as the
+// engine samples), only their queries attend; else every row's do, and the kept are picked after.
 void layer_into(
     const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& in_norm,
     const at::Tensor& post_norm, at::TensorList weights, at::TensorList scales,
@@ -240,7 +247,8 @@ void layer_into(
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
     const at::Tensor& v_pool, const at::Tensor& out_loc, const at::Tensor& slots,
     const at::Tensor& kv_lens, const at::Tensor& q_start, const at::Tensor& q_lens, double scale,
-    double eps, int64_t heads, int64_t kv_heads, int64_t window, bf16* y, bf16* r2) {
+    double eps, int64_t heads, int64_t kv_heads, int64_t window, bf16* y, bf16* r2,
+    const int64_t* keep = nullptr, int64_t MK = 0, int64_t split_threads = 0) {
   TORCH_CHECK(MINISGL_LAYER_ANY, "decoder_layer needs AVX2 with FMA (or AVX512-BF16)");
   // an int8 pool: rows of D values and a float32 scale (see quantize_row)
   const bool q8 = k_pool.scalar_type() == at::kChar;
@@ -250,9 +258,9 @@ void layer_into(
   const int64_t NQ = heads * D, NKV = kv_heads * D, NQKV = NQ + 2 * NKV;
   check(weights.size() == 4 && (scales.empty() || scales.size() == 4),
         "weights: qkv, o, gate_up, down (packed); scales: none (bf16) or theirs (int8)");
-  // y [M, N] = x [M, K] @ weights[i].T
-  auto linear = [&](int i, const bf16* in, int64_t K, bf16* out, int64_t N) {
-    minisgl::linear_into(in, M, K, weights[i], scales.empty() ? nullptr : &scales[i], N, out);
+  // y [rows, N] = x [rows, K] @ weights[i].T
+  auto linear = [&](int i, const bf16* in, int64_t rows, int64_t K, bf16* out, int64_t N) {
+    minisgl::linear_into(in, rows, K, weights[i], scales.empty() ? nullptr : &scales[i], N, out);
   };
   const int64_t I = weights[3].size(1) * 2;  // intermediate size: the down projection's inputs
   check(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
@@ -286,6 +294,9 @@ void layer_into(
     check(qs[b] == rows && ql[b] >= 1, "requests' rows must follow each other: q_start[b] = "
                                        "q_start[b - 1] + q_lens[b - 1], from 0, q_lens >= 1");
   check(rows == M, "the requests' q_lens must add up to x's rows");
+  if (keep == nullptr) MK = M;
+  for (int64_t i = 0; keep != nullptr && i < MK; ++i)
+    check(keep[i] >= 0 && keep[i] < M, "rows: outside x's rows");
 
   check(D % 32 == 0 && D <= 256, "head_dim must be a multiple of 32, at most 256");
   auto vec = [&](const std::optional<at::Tensor>& t, int64_t n) {
@@ -300,10 +311,10 @@ void layer_into(
   check((qn == nullptr) == (kn == nullptr), "q_norm and k_norm: both or neither");
 #if MINISGL_LAYER_ANY
   // the intermediates in one piece of scratch memory; y and r2 are the outputs
-  thread_local std::vector<char> keep;
+  thread_local std::vector<char> memory;
   const size_t row = M * sizeof(bf16);
   const auto p = minisgl::scratch(
-      keep, {row * H, row * H, row * NQKV, row * H, row * I, row * NQ, row * NQ});
+      memory, {row * H, row * H, row * NQKV, row * H, row * I, row * NQ, row * NQ});
   auto* r = reinterpret_cast<bf16*>(p[0]);
   auto* h = reinterpret_cast<bf16*>(p[1]);
   auto* qkv = reinterpret_cast<bf16*>(p[2]);
@@ -313,7 +324,7 @@ void layer_into(
   auto* a = reinterpret_cast<bf16*>(p[6]);  // and output
   add_rms_norm(x.const_data_ptr<bf16>(), residual ? residual->const_data_ptr<bf16>() : nullptr,
                in_norm.const_data_ptr<bf16>(), eps, M, H, r, h);
-  linear(0, h, H, qkv, NQKV);
+  linear(0, h, M, H, qkv, NQKV);
   if (qkv_b != nullptr) add_bias(qkv, qkv_b, M, NQKV);
 
   auto* kp = static_cast<char*>(k_pool.mutable_data_ptr());
@@ -346,14 +357,48 @@ void layer_into(
     }
   });
 
-  minisgl::paged_attention_into(q, M, heads, D, k_pool, v_pool, slots, kv_lens, q_start, q_lens,
-                                scale, window, a);
-  linear(1, a, NQ, o, H);
-  if (o_b != nullptr) add_bias(o, o_b, M, H);
-  add_rms_norm(o, r, post_norm.const_data_ptr<bf16>(), eps, M, H, r2, h);
+  if (MK == 0) return;
+  // the kept rows: each request's last ones? then its attention has those queries only
+  const int64_t B = q_lens.numel();
+  thread_local std::vector<int64_t> kept_start, kept_lens;
+  bool suffixes = keep != nullptr;
+  if (suffixes) {
+    kept_start.resize(B);
+    kept_lens.resize(B);
+    int64_t i = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t end = qs[b] + ql[b];
+      int64_t c = 0;
+      while (i + c < MK && keep[i + c] >= qs[b] && keep[i + c] < end) ++c;
+      for (int64_t j = 0; j < c; ++j) suffixes = suffixes && keep[i + j] == end - c + j;
+      kept_start[b] = end - c;
+      kept_lens[b] = c;
+      i += c;
+    }
+    suffixes = suffixes && i == MK;
+  }
+  const auto index = at::TensorOptions().dtype(at::kLong);
+  minisgl::paged_attention_into(
+      q, M, heads, D, k_pool, v_pool, slots, kv_lens,
+      suffixes ? at::from_blob(kept_start.data(), {B}, index) : q_start,
+      suffixes ? at::from_blob(kept_lens.data(), {B}, index) : q_lens, scale, window, a,
+      split_threads);
+  const bf16* ak = a;  // the kept rows' attention outputs and residuals, in keep's order
+  const bf16* rk = r;
+  if (keep != nullptr) {  // (into q's scratch, no longer read, and act's, not yet written)
+    for (int64_t i = 0; i < MK; ++i) {
+      std::memcpy(q + i * NQ, a + keep[i] * NQ, NQ * sizeof(bf16));
+      std::memcpy(act + i * H, r + keep[i] * H, H * sizeof(bf16));
+    }
+    ak = q;
+    rk = act;
+  }
+  linear(1, ak, MK, NQ, o, H);
+  if (o_b != nullptr) add_bias(o, o_b, MK, H);
+  add_rms_norm(o, rk, post_norm.const_data_ptr<bf16>(), eps, MK, H, r2, h);
 
-  minisgl::gated_into(h, M, H, weights[2], scales.empty() ? nullptr : &scales[2], I, act);
-  linear(3, act, I, y, H);
+  minisgl::gated_into(h, MK, H, weights[2], scales.empty() ? nullptr : &scales[2], I, act);
+  linear(3, act, MK, I, y, H);
 #endif
 }
 
@@ -574,6 +619,7 @@ struct LayerRun {
   std::vector<int64_t> windows;
   double scale, eps;
   int64_t heads, kv_heads;
+  int64_t threads;  // the attention's split_threads (paged_attention_into; 0: each call's)
 };
 
 std::mutex runs_lock;
@@ -589,8 +635,10 @@ int64_t run_id(const at::Tensor& run) {
 at::Tensor bind_layers(at::TensorList norms, at::TensorList weights, at::TensorList scales,
                        at::TensorList qkv_biases, at::TensorList o_biases, at::TensorList qk_norms,
                        at::TensorList k_pools, at::TensorList v_pools, at::IntArrayRef windows,
-                       double scale, double eps, int64_t heads, int64_t kv_heads) {
+                       double scale, double eps, int64_t heads, int64_t kv_heads,
+                       int64_t threads) {
   const size_t L = k_pools.size();
+  TORCH_CHECK(threads >= 0, "bind_layers: threads must be >= 0 (0: each call's), got ", threads);
   auto per_layer = [&](at::TensorList t, size_t n) { return t.empty() || t.size() == n * L; };
   TORCH_CHECK(L >= 1 && v_pools.size() == L && windows.size() == L && norms.size() == 2 * L &&
                   weights.size() == 4 * L && per_layer(scales, 4) && per_layer(qkv_biases, 1) &&
@@ -599,7 +647,7 @@ at::Tensor bind_layers(at::TensorList norms, at::TensorList weights, at::TensorL
               "bias and 2 q/k norms (or none of each), its K and V pools and window");
   auto run = std::make_shared<const LayerRun>(LayerRun{
       norms.vec(), weights.vec(), scales.vec(), qkv_biases.vec(), o_biases.vec(), qk_norms.vec(),
-      k_pools.vec(), v_pools.vec(), windows.vec(), scale, eps, heads, kv_heads});
+      k_pools.vec(), v_pools.vec(), windows.vec(), scale, eps, heads, kv_heads, threads});
   std::lock_guard<std::mutex> guard(runs_lock);
   const int64_t id = next_run_id++;
   runs.emplace(id, std::move(run));
@@ -622,8 +670,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& run,
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out_loc,
     const at::Tensor& slots, const at::Tensor& kv_lens, const at::Tensor& q_start,
-    const at::Tensor& q_lens) {
+    const at::Tensor& q_lens, const std::optional<at::Tensor>& rows) {
   const int64_t id = run_id(run);
+  TORCH_CHECK(!rows || (rows->dim() == 1 && rows->scalar_type() == at::kLong &&
+                        rows->is_contiguous()),
+              "decoder_layers: rows must be contiguous int64 [N]");
   std::shared_ptr<const LayerRun> p;  // kept alive through the call, whatever unbinds meanwhile
   {
     std::lock_guard<std::mutex> guard(runs_lock);
@@ -640,21 +691,25 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   // the first layer reads x and residual, every later one the pair before it, updated in place
   const auto bf = x.options().dtype(at::kBFloat16);
   at::Tensor y = at::empty(x.sizes(), bf), r2 = at::empty(x.sizes(), bf);
+  // the last layer computes the rows the caller reads (rows) alone: see layer_into
+  const int64_t n = r.k_pools.size(), kept = rows ? rows->numel() : x.size(0);
   auto layers = [&] {
-    for (size_t l = 0; l < r.k_pools.size(); ++l)
+    for (int64_t l = 0; l < n; ++l)
       layer_into(l == 0 ? x : y, l == 0 ? residual : std::optional<at::Tensor>(r2), r.norms[2 * l],
                r.norms[2 * l + 1], weights.slice(4 * l, 4),
                scales.empty() ? scales : scales.slice(4 * l, 4), opt(r.qkv_biases, l),
                opt(r.o_biases, l), opt(r.qk_norms, 2 * l), opt(r.qk_norms, 2 * l + 1), cos, sin,
                r.k_pools[l], r.v_pools[l], out_loc, slots, kv_lens, q_start, q_lens, r.scale,
                r.eps, r.heads, r.kv_heads, r.windows[l], y.mutable_data_ptr<bf16>(),
-               r2.mutable_data_ptr<bf16>());
+               r2.mutable_data_ptr<bf16>(),
+               rows && l == n - 1 ? rows->const_data_ptr<int64_t>() : nullptr, kept, r.threads);
   };
   // a few rows: one region for all the layers (their row work runs on this thread anyway)
   if (x.dim() == 2 && x.size(0) < 16)
     team_run(layers);
   else
     layers();
+  if (rows && n > 0) return {y.narrow(0, 0, kept), r2.narrow(0, 0, kept)};
   return {y, r2};
 }
 
@@ -739,12 +794,12 @@ TORCH_LIBRARY_FRAGMENT(minisgl_cpu, m) {
         "int window) -> (Tensor, Tensor)");
   m.def("bind_layers(Tensor[] norms, Tensor[] weights, Tensor[] scales, Tensor[] qkv_biases, "
         "Tensor[] o_biases, Tensor[] qk_norms, Tensor[] k_pools, Tensor[] v_pools, int[] windows, "
-        "float scale, float eps, int heads, int kv_heads) -> Tensor");
+        "float scale, float eps, int heads, int kv_heads, int threads=0) -> Tensor");
   m.def("unbind_layers_address() -> int", &unbind_layers_address);
   // run: written as far as the compiler knows, standing for the K/V pools the layers store to
   m.def("decoder_layers(Tensor x, Tensor? residual, Tensor(a!) run, Tensor cos, Tensor sin, "
-        "Tensor out_loc, Tensor slots, Tensor kv_lens, Tensor q_start, Tensor q_lens) "
-        "-> (Tensor, Tensor)");
+        "Tensor out_loc, Tensor slots, Tensor kv_lens, Tensor q_start, Tensor q_lens, "
+        "Tensor? rows=None) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
 }
 

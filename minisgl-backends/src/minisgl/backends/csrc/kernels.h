@@ -98,6 +98,6 @@ void paged_attention_into(const c10::BFloat16* q, int64_t T, int64_t H, int64_t 
                           const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                           const at::Tensor& kv_lens, const at::Tensor& q_start,
                           const at::Tensor& q_lens, double scale, int64_t window,
-                          c10::BFloat16* out);
+                          c10::BFloat16* out, int64_t split_threads = 0);
 
 }  // namespace minisgl
