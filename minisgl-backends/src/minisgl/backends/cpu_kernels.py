@@ -319,9 +319,10 @@ class LayerRun:
     ``scales`` (int8; empty for bf16), its qkv and o bias (one per layer, or empty lists where
     the layers have none), its q and k norms (``qk_norms[2l:2l + 2]``, or empty),
     ``k_pools[l]``, ``v_pools[l]``, ``windows[l]``; ``scale``, ``eps`` and the head counts as
-    for ``decoder_layer``, shared; ``threads``: the attention's, as for ``paged_attention``. ``handle`` is the run's id in an int64 tensor [1]: what a step
-    passes instead of the ~8 tensors per layer (cpu_layer.cpp says why). The kernels hold
-    the tensors until this object is collected."""
+    for ``decoder_layer``, shared; ``threads``: the attention's, as for ``paged_attention``.
+    ``handle`` is the run's id in an int64 tensor [1]: what a step passes instead of the ~8
+    tensors per layer (cpu_layer.cpp says why). The kernels hold the tensors until this object
+    is collected."""
 
     def __init__(self, norms: list[torch.Tensor], weights: list[torch.Tensor],
                  scales: list[torch.Tensor], qkv_biases: list[torch.Tensor],

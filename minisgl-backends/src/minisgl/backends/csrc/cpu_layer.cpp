@@ -709,7 +709,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     team_run(layers);
   else
     layers();
-  if (rows && n > 0) return {y.narrow(0, 0, kept), r2.narrow(0, 0, kept)};
+  if (rows) return {y.narrow(0, 0, kept), r2.narrow(0, 0, kept)};  // (bind_layers: n >= 1)
   return {y, r2};
 }
 
